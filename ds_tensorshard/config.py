@@ -1,0 +1,137 @@
+"""The ``"tensorshard"`` config block and the checks a DeepSpeed config must pass to use it.
+
+Everything here runs at the start of ``DeepSpeedEngine.__init__``, before the model is moved or any
+optimizer state exists, and raises :class:`TensorShardConfigError` naming the offending key.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+BLOCK = "tensorshard"
+SHARDABLE_OPTIMIZER_TYPES = ("adam", "adamw")
+SHARDABLE_OPTIMIZER_CLASSES = ("FusedAdam", "Adam", "AdamW")
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's own zero_optimization.reduce_bucket_size default
+
+
+class TensorShardConfigError(ValueError):
+    """A DeepSpeed config that ds_tensorshard cannot run; the message names the key."""
+
+
+class TensorShardConfig(BaseModel):
+    """Keys of the top-level ``"tensorshard"`` block."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    enabled: bool = False
+    """Turn tensor-granular sharding on. Off: DeepSpeed runs exactly as stock."""
+
+    comm_backend: Literal["torch"] = "torch"
+    """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU)."""
+
+    bucket_numel: Optional[int] = Field(default=None, gt=0)
+    """Elements per communication bucket; ``null`` takes ``zero_optimization.reduce_bucket_size``."""
+
+
+def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
+    """Parse and validate the ``tensorshard`` block of a DeepSpeed config dict."""
+    raw = param_dict.get(BLOCK, {})
+    if not isinstance(raw, Mapping):
+        raise TensorShardConfigError(f"'{BLOCK}' must be a JSON object, got {type(raw).__name__}")
+    try:
+        return TensorShardConfig(**raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(part) for part in (BLOCK, *first["loc"]))
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(TensorShardConfig.model_fields)
+            raise TensorShardConfigError(f"unknown key '{key}' (known keys: {known})") from None
+        raise TensorShardConfigError(f"invalid value for '{key}': {first['msg']} (got {first.get('input')!r})") from None
+
+
+def _offload_device(block: Any) -> Optional[str]:
+    if isinstance(block, Mapping):
+        device = block.get("device", "none")
+        return None if device in (None, "none") else str(device)
+    return None
+
+
+def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any = None) -> Optional[TensorShardConfig]:
+    """Check a whole DeepSpeed config for ds_tensorshard; ``None`` when the plugin is not enabled."""
+    config = parse_block(param_dict)
+    if not config.enabled:
+        return None
+    zero = param_dict.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2):
+        raise TensorShardConfigError(
+            f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary) or 2 "
+            f"(reduce every micro-step); got stage {stage!r}"
+            + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else ""))
+    for key in ("offload_optimizer", "offload_param"):
+        device = _offload_device(zero.get(key))
+        if device is not None:
+            raise TensorShardConfigError(
+                f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled'; remove it")
+    if zero.get("cpu_offload"):
+        raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
+    if client_optimizer is None:
+        opt_type = (param_dict.get("optimizer") or {}).get("type")
+        if opt_type is None:
+            raise TensorShardConfigError(
+                f"'{BLOCK}.enabled' needs an 'optimizer' block of type Adam or AdamW (or a client Adam optimizer)")
+        if str(opt_type).lower() not in SHARDABLE_OPTIMIZER_TYPES:
+            raise TensorShardConfigError(
+                f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard; use Adam or AdamW")
+    elif isinstance(client_optimizer, torch.optim.Optimizer):
+        check_shardable(client_optimizer)
+    return config
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse inner optimizers other than the Adam family (FusedAdam, torch Adam/AdamW)."""
+    name = type(optimizer).__name__
+    if name not in SHARDABLE_OPTIMIZER_CLASSES:
+        raise TensorShardConfigError(
+            f"optimizer {name} cannot be sharded by ds_tensorshard; use Adam or AdamW ('optimizer.type')")
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        raise TensorShardConfigError("optimizer param group key 'amsgrad' is not supported by ds_tensorshard")
+
+
+def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> int:
+    """Elements per bucket: the plugin key, else DeepSpeed's reduce_bucket_size."""
+    if config.bucket_numel is not None:
+        return config.bucket_numel
+    zero = param_dict.get("zero_optimization", {}) or {}
+    size = zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)
+    return int(size) if isinstance(size, (int, float)) else DEFAULT_REDUCE_BUCKET_SIZE
+
+
+MAPPED_ZERO_KEYS = {
+    "stage": "selects the mode: 1 = reduce at the accumulation boundary, 2 = reduce every micro-step",
+    "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set",
+}
+IGNORED_ZERO_KEYS = {
+    "allgather_bucket_size": "parameters are gathered with the reduce buckets",
+    "overlap_comm": "reduction runs after backward",
+    "contiguous_gradients": "buckets are packed contiguously anyway",
+    "reduce_scatter": "each bucket has a single owner and is reduced onto it",
+    "round_robin_gradients": "ownership comes from the balanced plan",
+    "allgather_partitions": "updated tensors are broadcast from their owners",
+}
+
+
+def describe_zero_mapping(param_dict: Mapping[str, Any]) -> str:
+    """One log line per zero_optimization key present: how ds_tensorshard treats it."""
+    zero = param_dict.get("zero_optimization", {}) or {}
+    lines = []
+    for key in sorted(zero):
+        if key in MAPPED_ZERO_KEYS:
+            lines.append(f"zero_optimization.{key}={zero[key]!r}: used, {MAPPED_ZERO_KEYS[key]}")
+        elif key in IGNORED_ZERO_KEYS:
+            lines.append(f"zero_optimization.{key}={zero[key]!r}: no effect, {IGNORED_ZERO_KEYS[key]}")
+        else:
+            lines.append(f"zero_optimization.{key}={zero[key]!r}: no effect on ds_tensorshard")
+    return "; ".join(lines)

@@ -1,0 +1,80 @@
+"""Registration: three small overrides on DeepSpeedEngine that route ZeRO-1/2 to TensorShardOptimizer.
+
+DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
+- ``__init__``: validate the config first, before any model move or optimizer state;
+- ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
+  accumulation at stage 1 to BF16_Optimizer instead);
+- ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer.
+Engines whose config does not enable the plugin run the stock methods untouched.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+
+from .config import TensorShardConfig, check_shardable, validate_engine_config
+
+_MARK = "_ds_tensorshard_original"
+_INIT_SIGNATURE = inspect.signature(DeepSpeedEngine.__init__)
+
+
+def _enabled_config(engine: Any) -> TensorShardConfig | None:
+    return getattr(engine, "_tensorshard_config", None)
+
+
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = _INIT_SIGNATURE.bind(self, *args, **kwargs)
+        config_class = bound.arguments.get("config_class")
+        if config_class is not None:
+            self._tensorshard_config = validate_engine_config(config_class._param_dict,
+                                                              bound.arguments.get("optimizer"))
+        original(self, *args, **kwargs)
+    return __init__
+
+
+def _wrap_sanity_check(original):
+    @functools.wraps(original)
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        if _enabled_config(self) is None:
+            return original(self, basic_optimizer)
+        check_shardable(basic_optimizer)
+        return ZERO_OPTIMIZATION
+    return _do_optimizer_sanity_check
+
+
+def _wrap_configure_zero(original):
+    @functools.wraps(original)
+    def _configure_zero_optimizer(self, optimizer):
+        config = _enabled_config(self)
+        if config is None:
+            return original(self, optimizer)
+        from .optimizer import TensorShardOptimizer
+        return TensorShardOptimizer(optimizer, engine=self, config=config)
+    return _configure_zero_optimizer
+
+
+_WRAPPERS = {
+    "__init__": _wrap_init,
+    "_do_optimizer_sanity_check": _wrap_sanity_check,
+    "_configure_zero_optimizer": _wrap_configure_zero,
+}
+
+
+def install() -> None:
+    """Register ds_tensorshard with DeepSpeed (safe to call any number of times)."""
+    for name, wrap in _WRAPPERS.items():
+        current = getattr(DeepSpeedEngine, name)
+        if getattr(current, _MARK, None) is None:
+            wrapped = wrap(current)
+            setattr(wrapped, _MARK, current)
+            setattr(DeepSpeedEngine, name, wrapped)
+
+
+def installed() -> bool:
+    return all(getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None for name in _WRAPPERS)

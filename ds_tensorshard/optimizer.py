@@ -1,0 +1,186 @@
+"""TensorShardOptimizer: the ZeRO-1/2 replacement that DeepSpeed's unmodified engine drives.
+
+Data path, one file per step: :mod:`.plan` (whole tensors -> balanced sets) -> :mod:`.buckets`
+(owner-major flat buffers) -> :mod:`.reduce` (mean onto the owner, one collective per bucket) ->
+:mod:`.update` (Adam on owned fp32 masters) -> :mod:`.gather` (owners send updated tensors back).
+
+Example (one process; with more ranks every rank runs the same lines)::
+
+    import deepspeed, torch, ds_tensorshard
+    model = torch.nn.Linear(8, 8)
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=config)
+    assert isinstance(optimizer, ds_tensorshard.TensorShardOptimizer)
+    print(optimizer.plan.numel_per_rank, optimizer.plan.owner(model.weight))
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+from deepspeed.utils import logger
+
+from .buckets import build_buckets
+from .comm import TorchComm
+from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
+from .gather import broadcast_bucket
+from .plan import plan_ownership
+from .reduce import reduce_bucket
+from .update import OwnedShard
+
+
+class TensorShardOptimizer(ZeROOptimizer):
+    """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
+
+    Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
+    made out of the ``optimizer`` block or the client optimizer. ``zero_optimization.stage`` 1
+    reduces at the accumulation boundary; stage 2 reduces every micro-step and keeps only owned
+    gradients. ``plan`` is the :class:`~ds_tensorshard.plan.OwnershipPlan`.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, engine: Any, config: TensorShardConfig) -> None:
+        super().__init__()
+        check_shardable(init_optimizer)
+        self.optimizer = init_optimizer
+        self.dp_process_group = engine.seq_data_parallel_group
+        self.comm = TorchComm(self.dp_process_group)
+        self.partition_gradients = engine.zero_optimization_stage() == 2
+        self.clip_grad = float(engine.gradient_clipping())
+        self.dtype = engine.get_data_types()[0]
+        self.check_grad_overflow = engine.fp16_enabled() or (
+            engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
+        self._init_loss_scaling(engine)
+        self._pre_scale, self._post_scale = _averaging_scales(engine, self.comm.world_size)
+        self.overflow = False
+        self._global_grad_norm: float | None = None
+
+        self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
+        self.round_robin_bit16_groups = self.bit16_groups
+        self.params = _in_model_order(self.bit16_groups, engine.module)
+        names = {p: engine.param_names[p] for p in self.params}
+        self.plan = plan_ownership(((names[p], p.numel()) for p in self.params), self.comm.world_size,
+                                   param_names={id(p): name for p, name in names.items()})
+        rank = self.comm.rank
+        self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
+                                                 for group in self.bit16_groups])
+        self.buckets = build_buckets(self.params, self.plan.owner, bucket_numel(config, engine._config._param_dict))
+        if engine.global_rank == 0:
+            logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
+                        f"{len(self.buckets)} buckets, elements per rank {list(self.plan.numel_per_rank)}; "
+                        f"{describe_zero_mapping(engine._config._param_dict)}")
+
+    def _init_loss_scaling(self, engine: Any) -> None:
+        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=engine.loss_scale(),
+                                            dynamic_scaling=engine.dynamic_loss_scale(),
+                                            dynamic_loss_args=engine.dynamic_loss_scale_args())
+        self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
+        self.custom_loss_scaler = False
+        self.external_loss_scale = None
+        self.torch_autocast_gradscaler = None
+
+    # -- what the engine reads ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    cur_scale = loss_scale
+
+    # -- reduce ---------------------------------------------------------------------------------
+    def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
+        """Stage 1, at the accumulation boundary: average every gradient onto its owner."""
+        self._reduce_to_owners()
+
+    def overlapping_partition_gradients_reduce_epilogue(self) -> None:
+        """Stage 2, after every backward: average onto owners, who accumulate in fp32."""
+        self._reduce_to_owners()
+
+    def finalize_gradient_accumulation_boundary(self) -> None:
+        """Stage 2 with caller-managed accumulation: every micro-step was already reduced; nothing is pending."""
+
+    @torch.no_grad()
+    def _reduce_to_owners(self) -> None:
+        for bucket in self.buckets:
+            flat = reduce_bucket(bucket, self.comm, self._pre_scale, self._post_scale)
+            if flat is not None:
+                for param, grad in bucket.slices(flat):
+                    self.shard.accumulate(param, grad)
+        for param in self.params:
+            param.grad = None
+
+    # -- update and gather ----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Global norm and overflow check, loss-scale update, unscale + clip, Adam on owned tensors, gather."""
+        squared = self.shard.squared_grad_norm()
+        self.comm.all_reduce_sum(squared)
+        scaled_norm = math.sqrt(squared.item())
+        self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and not math.isfinite(scaled_norm)
+        scale = self.loss_scale
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self._global_grad_norm = float("inf")
+            self.zero_grad()
+            return
+        self._global_grad_norm = scaled_norm / scale
+        combined_scale = scale
+        if self.clip_grad > 0.0:
+            combined_scale = max(((scaled_norm / scale) + 1e-6) / self.clip_grad, 1.0) * scale
+        if combined_scale != 1.0:
+            self.shard.scale_grads(1.0 / combined_scale)
+        self.shard.step()
+        self.shard.drop_grads()
+        for bucket in self.buckets:
+            broadcast_bucket(bucket, self.comm)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop model gradients and owned accumulators (always set to None)."""
+        for param in self.params:
+            param.grad = None
+        self.shard.drop_grads()
+
+    # -- weights loaded from outside (module-only loads, checkpoints without optimizer state) ----
+    def _restore_from_bit16_weights(self) -> None:
+        self.shard.reload_from_params()
+
+    def refresh_fp32_params(self) -> None:
+        self.shard.reload_from_params()
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("ds_tensorshard does not save optimizer checkpoints yet (issue #3)")
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("ds_tensorshard does not load optimizer checkpoints yet (issue #3)")
+
+
+def _in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters of ``groups`` in the module's registration order."""
+    in_groups = {p for group in groups for p in group}
+    ordered = [p for p in module.parameters() if p in in_groups]
+    if len(ordered) != len(in_groups):
+        stray = next(p for group in groups for p in group if p not in set(ordered))
+        raise ValueError(f"an optimizer parameter of shape {tuple(stray.shape)} is not a parameter of the model given "
+                         "to deepspeed.initialize; ds_tensorshard plans by parameter name")
+    return ordered
+
+
+def _averaging_scales(engine: Any, world_size: int) -> tuple[float, float]:
+    """Factors applied before and after the sum so the owner holds DeepSpeed's averaged gradient."""
+    if not engine.gradient_average:
+        return 1.0, 1.0
+    predivide = float(engine.gradient_predivide_factor())
+    if engine.postscale_gradients():
+        return 1.0 / predivide, predivide / world_size
+    return 1.0 / world_size, 1.0

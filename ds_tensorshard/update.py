@@ -1,0 +1,90 @@
+"""Update: fp32 master copies, reduced gradients and the inner Adam, for owned tensors only (claim 3).
+
+Masters are contiguous fp32 clones (CPU FusedAdam silently skips non-contiguous tensors). Each
+param group of the inner optimizer keeps its dict (hyper-parameters, scheduler links) and gets
+only this rank's masters as ``params``, so Adam state is created for owned tensors alone.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class OwnedShard:
+    """The tensors a rank owns: their fp32 masters and fp32 gradient accumulators."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[torch.nn.Parameter]]) -> None:
+        self.optimizer = optimizer
+        self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for group, owned in zip(optimizer.param_groups, owned_by_group):
+            masters = []
+            for param in owned:
+                master = param.detach().to(dtype=torch.float32, copy=True).contiguous()
+                master.requires_grad_(False)
+                self.masters[param] = master
+                masters.append(master)
+            group["params"] = masters
+
+    @property
+    def params(self) -> Iterable[torch.nn.Parameter]:
+        return self.masters.keys()
+
+    def owns(self, param: torch.nn.Parameter) -> bool:
+        return param in self.masters
+
+    @torch.no_grad()
+    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a reduced gradient (any dtype) to the owner's fp32 accumulator."""
+        master = self.masters[param]
+        if master.grad is None:
+            master.grad = grad.to(torch.float32, copy=True).view(master.shape)
+        else:
+            master.grad.add_(grad.view(master.shape))
+
+    @torch.no_grad()
+    def squared_grad_norm(self) -> torch.Tensor:
+        """Sum of squares of every owned gradient (0 where none)."""
+        total = torch.zeros((), dtype=torch.float32)
+        for master in self.masters.values():
+            if master.grad is not None:
+                total += master.grad.double().pow(2).sum().float()
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        for master in self.masters.values():
+            if master.grad is not None:
+                master.grad.mul_(factor)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Run the inner optimizer on the masters, then write them into the model's tensors."""
+        for master in self.masters.values():
+            if master.grad is None:  # an owned tensor must take part in every step, as in stock ZeRO
+                master.grad = torch.zeros_like(master)
+        self.optimizer.step()
+        self._align_step_counts()
+        for param, master in self.masters.items():
+            param.data.copy_(master)
+
+    def _align_step_counts(self) -> None:
+        """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            stepped = [m for m in group["params"] if "step" in state.get(m, {})]
+            steps = [state[m]["step"] for m in stepped]
+            if steps and all(isinstance(step, int) for step in steps):
+                for master in stepped:
+                    state[master]["step"] = max(steps)
+
+    def drop_grads(self) -> None:
+        for master in self.masters.values():
+            master.grad = None
+
+    @torch.no_grad()
+    def reload_from_params(self) -> None:
+        """Refresh masters from the (possibly newly loaded) model tensors."""
+        for param, master in self.masters.items():
+            master.copy_(param.detach())
+

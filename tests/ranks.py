@@ -1,0 +1,46 @@
+"""Start real rank processes for a test: a free port each time, a timeout, all output kept."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Sequence
+
+TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return env
+
+
+def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check: bool = True) -> list[str]:
+    """Run ``python ARGS`` as ``world`` ranks; return each rank's combined output. Kills all on timeout."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"ranks of {args} did not finish within {timeout}s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if check:
+        for rank, (proc, out) in enumerate(zip(procs, outputs)):
+            assert proc.returncode == 0, f"rank {rank} of {args} exited {proc.returncode}:\n{out[-6000:]}"
+    return outputs
