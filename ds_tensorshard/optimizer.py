@@ -30,7 +30,7 @@ from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
 from .gather import broadcast_bucket
 from .plan import plan_ownership
-from .reduce import reduce_bucket
+from .reduce import Averaging, reduce_bucket
 from .update import OwnedShard
 
 
@@ -55,7 +55,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.check_grad_overflow = engine.fp16_enabled() or (
             engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
         self._init_loss_scaling(engine)
-        self._pre_scale, self._post_scale = _averaging_scales(engine, self.comm.world_size)
+        self.averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
         self.overflow = False
         self._global_grad_norm: float | None = None
 
@@ -113,7 +113,7 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
         for bucket in self.buckets:
-            flat = reduce_bucket(bucket, self.comm, self._pre_scale, self._post_scale)
+            flat = reduce_bucket(bucket, self.comm, self.averaging)
             if flat is not None:
                 for param, grad in bucket.slices(flat):
                     self.shard.accumulate(param, grad)
@@ -175,12 +175,3 @@ def _in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Mod
                          "to deepspeed.initialize; ds_tensorshard plans by parameter name")
     return ordered
 
-
-def _averaging_scales(engine: Any, world_size: int) -> tuple[float, float]:
-    """Factors applied before and after the sum so the owner holds DeepSpeed's averaged gradient."""
-    if not engine.gradient_average:
-        return 1.0, 1.0
-    predivide = float(engine.gradient_predivide_factor())
-    if engine.postscale_gradients():
-        return 1.0 / predivide, predivide / world_size
-    return 1.0 / world_size, 1.0
