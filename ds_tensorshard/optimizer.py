@@ -67,7 +67,7 @@ class TensorShardOptimizer(ZeROOptimizer):
                                    param_names={id(p): name for p, name in names.items()})
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
-                                                 for group in self.bit16_groups])
+                                                 for group in self.bit16_groups], engine.get_data_types()[1])
         self.buckets = build_buckets(self.params, self.plan.owner, bucket_numel(config, engine._config._param_dict))
         if engine.global_rank == 0:
             logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
@@ -124,6 +124,7 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Global norm and overflow check, loss-scale update, unscale + clip, Adam on owned tensors, gather."""
+        self.shard.gradients_to_masters()
         squared = self.shard.squared_grad_norm()
         self.comm.all_reduce_sum(squared)
         scaled_norm = math.sqrt(squared.item())

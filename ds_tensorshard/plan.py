@@ -54,6 +54,12 @@ class OwnershipPlan:
         ideal = self.total_numel / self.world_size
         return max(self.numel_per_rank) / ideal if ideal else 1.0
 
+    @property
+    def imbalance_bound(self) -> float:
+        """The least imbalance any whole-tensor plan can reach: the largest tensor, or the ideal, whichever is more."""
+        ideal = self.total_numel / self.world_size
+        return max(max(self.numels.values(), default=0), ideal) / ideal if ideal else 1.0
+
 
 def plan_ownership(tensors: Iterable[tuple[str, int]], world_size: int,
                    param_names: Mapping[int, str] | None = None) -> OwnershipPlan:

@@ -12,10 +12,17 @@ import torch
 
 
 class OwnedShard:
-    """The tensors a rank owns: their fp32 masters and fp32 gradient accumulators."""
+    """The tensors a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[torch.nn.Parameter]]) -> None:
+    ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
+    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[torch.nn.Parameter]],
+                 accum_dtype: torch.dtype) -> None:
         self.optimizer = optimizer
+        self.accum_dtype = accum_dtype
+        self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         for group, owned in zip(optimizer.param_groups, owned_by_group):
             masters = []
@@ -35,16 +42,22 @@ class OwnedShard:
 
     @torch.no_grad()
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a reduced gradient (any dtype) to the owner's fp32 accumulator."""
-        master = self.masters[param]
-        if master.grad is None:
-            master.grad = grad.to(torch.float32, copy=True).view(master.shape)
+        """Add a reduced gradient of an owned tensor to its accumulator."""
+        total = self.accumulated.get(param)
+        if total is None:
+            self.accumulated[param] = grad.to(self.accum_dtype, copy=True).view(param.shape)
         else:
-            master.grad.add_(grad.view(master.shape))
+            total.add_(grad.view(param.shape))
+
+    def gradients_to_masters(self) -> None:
+        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none)."""
+        for param, master in self.masters.items():
+            total = self.accumulated.pop(param, None)
+            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32)
 
     @torch.no_grad()
     def squared_grad_norm(self) -> torch.Tensor:
-        """Sum of squares of every owned gradient (0 where none)."""
+        """Sum of squares of every owned master gradient."""
         total = torch.zeros((), dtype=torch.float32)
         for master in self.masters.values():
             if master.grad is not None:
@@ -60,9 +73,6 @@ class OwnedShard:
     @torch.no_grad()
     def step(self) -> None:
         """Run the inner optimizer on the masters, then write them into the model's tensors."""
-        for master in self.masters.values():
-            if master.grad is None:  # an owned tensor must take part in every step, as in stock ZeRO
-                master.grad = torch.zeros_like(master)
         self.optimizer.step()
         self._align_step_counts()
         for param, master in self.masters.items():
@@ -79,6 +89,7 @@ class OwnedShard:
                     state[master]["step"] = max(steps)
 
     def drop_grads(self) -> None:
+        self.accumulated.clear()
         for master in self.masters.values():
             master.grad = None
 

@@ -7,6 +7,7 @@ optimizer-state facts.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -64,6 +65,7 @@ def run_case(case: str, out_dir: str) -> None:
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
                                                    config=ds_config(dtype, mode, int(stage), world))
+    unused_initial = engine.module.unused.detach().float().clone()
     losses, norms, grads_after_backward = [], [], []
     for micro in range(STEPS * GAS):
         loss = engine(batch(rank, micro))
@@ -77,6 +79,7 @@ def run_case(case: str, out_dir: str) -> None:
         "losses": losses,
         "norms": norms,
         "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "unused_initial": unused_initial,
         "skipped_steps": engine.skipped_steps,
         "grads_after_backward": grads_after_backward,
         "optimizer_class": type(optimizer).__name__,
@@ -100,6 +103,14 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
     for case in cases:
         run_case(case, out_dir)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Tear the process group down while Python is fully alive (gloo can abort at interpreter exit otherwise)."""
+    gc.collect()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
+import os
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+import ds_tensorshard
+from ds_tensorshard.config import TensorShardConfigError
+from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
+from ranks import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_world():
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def base_config(**overrides):
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+    config.update(overrides)
+    return config
+
+
+def initialize(config, optimizer=None):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    if optimizer is not None:
+        optimizer = optimizer(model.parameters())
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                             optimizer=optimizer)
+    return model, engine, opt
+
+
+BAD = [
+    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'"),
+    ({"zero_optimization": {"stage": 0}}, "'zero_optimization.stage'"),
+    ({"zero_optimization": None}, "'zero_optimization.stage'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "'zero_optimization.offload_optimizer'"),
+    ({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}, "'zero_optimization.offload_param'"),
+    ({"tensorshard": {"enabled": True, "bucket_size": 10}}, "unknown key 'tensorshard.bucket_size'"),
+    ({"tensorshard": {"enabled": "yes"}}, "'tensorshard.enabled'"),
+    ({"tensorshard": {"enabled": True, "comm_backend": "nccl"}}, "'tensorshard.comm_backend'"),
+    ({"tensorshard": {"enabled": True, "bucket_numel": 0}}, "'tensorshard.bucket_numel'"),
+    ({"tensorshard": {"enabled": True, "bucket_numel": 1.5}}, "'tensorshard.bucket_numel'"),
+    ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "'optimizer.type' 'Lamb'"),
+    ({"optimizer": None}, "'optimizer' block"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
+    config = base_config(**overrides)
+    if config.get("zero_optimization") is None:
+        config.pop("zero_optimization")
+    if config.get("optimizer") is None:
+        config.pop("optimizer")
+    model = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config["bf16"] = {"enabled": True}  # an engine that got past validation would cast the model to bf16
+    with pytest.raises(TensorShardConfigError) as err:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert message in str(err.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+def test_unshardable_client_optimizer_is_refused_by_class_name():
+    with pytest.raises(TensorShardConfigError, match="optimizer SGD cannot be sharded"):
+        initialize(base_config(zero_allow_untested_optimizer=True), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_client_torch_adamw_is_sharded():
+    config = {k: v for k, v in base_config().items() if k != "optimizer"}
+    _, _, opt = initialize(config, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    assert isinstance(opt, ds_tensorshard.TensorShardOptimizer)
+    assert isinstance(opt.optimizer, torch.optim.AdamW)
+
+
+def test_disabled_block_runs_stock_deepspeed():
+    _, _, opt = initialize(base_config(tensorshard={"enabled": False}))
+    assert type(opt) is DeepSpeedZeroOptimizer
+    _, _, opt = initialize({k: v for k, v in base_config().items() if k != "tensorshard"})
+    assert type(opt) is DeepSpeedZeroOptimizer
+
+
+def test_bf16_stage1_with_fp32_accumulation_stays_on_tensorshard():
+    # stock DeepSpeed routes this combination to BF16_Optimizer instead of ZeRO
+    config = base_config(zero_optimization={"stage": 1}, bf16={"enabled": True},
+                         data_types={"grad_accum_dtype": "fp32"})
+    _, _, opt = initialize(config)
+    assert isinstance(opt, ds_tensorshard.TensorShardOptimizer)
+
+
+def test_single_rank_owns_everything_and_inspects_plan():
+    model, engine, opt = initialize(base_config())
+    assert opt.plan.numel_per_rank == (sum(p.numel() for p in model.parameters()),)
+    assert all(opt.plan.owner(p) == 0 for p in model.parameters())
+    assert opt.param_groups is engine.basic_optimizer.param_groups
+
+
+def test_install_is_idempotent():
+    before = deepspeed.runtime.engine.DeepSpeedEngine._configure_zero_optimizer
+    ds_tensorshard.install()
+    ds_tensorshard.install()
+    assert deepspeed.runtime.engine.DeepSpeedEngine._configure_zero_optimizer is before
+    assert ds_tensorshard.installed()
+
+
+@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0"])
+def test_unsupported_deepspeed_versions_are_named(version):
+    with pytest.raises(UnsupportedDeepSpeedVersion, match=rf"deepspeed {version} is installed.*>=0\.19,<0\.20|>=0\.19,<0\.20.*deepspeed {version}"):
+        check_deepspeed_version(version)
+
+
+def test_supported_version_passes():
+    check_deepspeed_version("0.19.8")
+    check_deepspeed_version(deepspeed.__version__)
