@@ -67,7 +67,7 @@ class TensorShardOptimizer(ZeROOptimizer):
                                    param_names={id(p): name for p, name in names.items()})
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
-                                                 for group in self.bit16_groups], engine.get_data_types()[1])
+                                                 for group in self.bit16_groups], engine.get_data_types()[1], engine.device)
         self.buckets = build_buckets(self.params, self.plan.owner, bucket_numel(config, engine._config._param_dict))
         if engine.global_rank == 0:
             logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "

@@ -19,8 +19,9 @@ class OwnedShard:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[torch.nn.Parameter]],
-                 accum_dtype: torch.dtype) -> None:
+                 accum_dtype: torch.dtype, device: torch.device) -> None:
         self.optimizer = optimizer
+        self.device = device
         self.accum_dtype = accum_dtype
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -58,10 +59,10 @@ class OwnedShard:
     @torch.no_grad()
     def squared_grad_norm(self) -> torch.Tensor:
         """Sum of squares of every owned master gradient."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for master in self.masters.values():
             if master.grad is not None:
-                total += master.grad.double().pow(2).sum().float()
+                total += master.grad.double().pow(2).sum()
         return total
 
     @torch.no_grad()

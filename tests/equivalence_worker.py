@@ -68,7 +68,7 @@ def run_case(case: str, out_dir: str) -> None:
     unused_initial = engine.module.unused.detach().float().clone()
     losses, norms, grads_after_backward = [], [], []
     for micro in range(STEPS * GAS):
-        loss = engine(batch(rank, micro))
+        loss = engine(batch(rank, micro).to(engine.device))
         engine.backward(loss)
         grads_after_backward.append(sum(1 for p in engine.module.parameters() if p.grad is not None))
         engine.step()

@@ -16,17 +16,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_env(rank: int, world: int, port: int) -> dict:
+def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(extra or {})
     return env
 
 
-def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check: bool = True) -> list[str]:
+def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check: bool = True,
+              env: dict | None = None) -> list[str]:
     """Run ``python ARGS`` as ``world`` ranks; return each rank's combined output. Kills all on timeout."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port, env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = []
     try:

@@ -1,6 +1,4 @@
 """Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
-import os
-
 import deepspeed
 import pytest
 import torch
@@ -9,14 +7,9 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 import ds_tensorshard
 from ds_tensorshard.config import TensorShardConfigError
 from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
-from ranks import free_port
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_rank_world():
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="gloo")
+pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 
 def base_config(**overrides):

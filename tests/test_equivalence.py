@@ -15,14 +15,18 @@ from equivalence_worker import GAS, STEPS
 from ranks import run_ranks
 
 HERE = os.path.dirname(__file__)
-# (loss atol, param rtol, param atol): fp32 to ~1e-6; bf16/fp16 within one ulp of their precision,
-# where an element lands on the other side of a rounding step than in stock DeepSpeed.
-TOLERANCE = {"fp32": (1e-5, 1e-5, 5e-6), "bf16": (2e-3, 2**-7, 1e-3), "fp16": (1e-3, 2**-9, 1e-3)}
-WORLDS = {
-    2: [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m in ("stock", "ts") for s in (1, 2)],
-    3: ["fp32:stock:1"] + [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m, s in
-                           (("stock", 2), ("ts", 1), ("ts", 2))],
+# Measured: at 2 ranks every dtype and stage is bit-identical to stock; fp32 at 3 ranks within
+# 1.1e-6 on parameters. In bf16/fp16 the sum over ranks rounds in another order than stock's
+# all-reduce (3+ ranks), and Adam turns a rounding-level change of a near-zero gradient into up to one
+# learning-rate step (peak lr 1e-2) on that element; so low precision is held to: losses and grad norms
+# within a few ulps, every parameter within one peak-lr step, and the mean parameter difference tiny.
+TOLERANCE = {  # loss atol, norm rtol, param rtol, param atol, param mean |diff|
+    "fp32": dict(loss=1e-5, norm=1e-5, rtol=1e-5, atol=5e-6, mean=1e-6),
+    "bf16": dict(loss=1e-3, norm=1e-3, rtol=0.0, atol=1e-2, mean=1e-3),
+    "fp16": dict(loss=1e-4, norm=1e-4, rtol=0.0, atol=2e-3, mean=2e-4),
 }
+CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m in ("stock", "ts") for s in (1, 2)]
+WORLDS = {2: CASES, 3: CASES}
 
 
 @pytest.fixture(scope="module", params=sorted(WORLDS))
@@ -37,12 +41,11 @@ def world(request, tmp_path_factory):
 
 
 def pairs(n):
-    """(tensorshard case, stock case it must equal)."""
+    """(tensorshard case, stock case it must equal): the same stage, and for fp32 also ZeRO-2 from stage 1."""
     for case in WORLDS[n]:
         dtype, mode, stage = case.split(":")
         if mode == "ts":
-            stock_same = f"{dtype}:stock:{stage}"
-            yield case, stock_same if stock_same in WORLDS[n] else f"{dtype}:stock:2"
+            yield case, f"{dtype}:stock:{stage}"
             if dtype == "fp32" and stage == "1":
                 yield case, "fp32:stock:2"
 
@@ -51,23 +54,25 @@ def test_same_losses_norms_and_parameters_as_stock(world):
     n, load = world
     checked = 0
     for ts_case, stock_case in pairs(n):
-        loss_atol, rtol, atol = TOLERANCE[ts_case.split(":")[0]]
+        tol = TOLERANCE[ts_case.split(":")[0]]
         for rank in range(n):
             ts, stock = load(ts_case, rank), load(stock_case, rank)
+            where = f"{ts_case} vs {stock_case} rank {rank}"
             assert ts["optimizer_class"] == "TensorShardOptimizer"
             assert stock["optimizer_class"] == "DeepSpeedZeroOptimizer"
             assert len(ts["losses"]) == STEPS * GAS
             torch.testing.assert_close(torch.tensor(ts["losses"]), torch.tensor(stock["losses"]), rtol=0,
-                                       atol=loss_atol, msg=lambda m: f"{ts_case} vs {stock_case} rank {rank}: {m}")
-            torch.testing.assert_close(torch.tensor(ts["norms"]), torch.tensor(stock["norms"]), rtol=rtol,
-                                       atol=atol, equal_nan=True)
+                                       atol=tol["loss"], msg=lambda m: f"{where} losses: {m}")
+            torch.testing.assert_close(torch.tensor(ts["norms"]), torch.tensor(stock["norms"]), rtol=tol["norm"],
+                                       atol=0, equal_nan=True, msg=lambda m: f"{where} grad norms: {m}")
             assert ts["skipped_steps"] == stock["skipped_steps"]
             assert ts["params"].keys() == stock["params"].keys()
             for name in stock["params"]:
-                torch.testing.assert_close(ts["params"][name], stock["params"][name], rtol=rtol, atol=atol,
-                                           msg=lambda m: f"{ts_case} vs {stock_case} rank {rank} {name}: {m}")
+                a, b = ts["params"][name], stock["params"][name]
+                torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{where} {name}: {m}")
+                assert (a - b).abs().mean() <= tol["mean"], f"{where} {name}: mean |diff| {(a - b).abs().mean()}"
             checked += 1
-    assert checked >= 6 * n
+    assert checked == 7 * n
 
 
 def test_training_moved_the_weights_but_not_the_frozen_one(world):
@@ -84,8 +89,6 @@ def test_fp16_overflow_skips_steps_and_scheduler_like_stock(world):
     n, load = world
     for stage in (1, 2):
         case = f"fp16:ts:{stage}"
-        if case not in WORLDS[n]:
-            continue
         ts = load(case, 0)
         assert ts["skipped_steps"] >= 1
         assert ts["norms"][0] == float("inf")

@@ -1,0 +1,39 @@
+"""The demo example (2 real ranks) and the ``ds-tensorshard plan`` command."""
+import json
+import os
+import re
+
+from ds_tensorshard.cli import main as cli_main
+from ranks import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+def test_demo_trains_and_reports_state_bytes_next_to_stock_zero2():
+    outputs = run_ranks(["-m", "ds_tensorshard.examples.train_gpt", "--deepspeed_config",
+                         os.path.join(ROOT, "configs", "tensorshard_fp32.json"), "--steps", "8"], 2)
+    text = outputs[0]
+    start, end = map(float, re.search(r"loss: start ([\d.]+) -> end ([\d.]+) over 8 steps", text).groups())
+    assert end < start
+    rows = re.findall(r"rank (\d): ds_tensorshard +([\d.]+) MiB +stock ZeRO-2 +([\d.]+) MiB", text)
+    assert [r[0] for r in rows] == ["0", "1"]
+    ts_total = sum(float(r[1]) for r in rows)
+    stock_total = sum(float(r[2]) for r in rows)
+    assert abs(ts_total - stock_total) / stock_total < 0.01  # same total: every tensor's state exists once
+    assert max(float(r[1]) for r in rows) <= 1.05 * ts_total / 2
+
+
+def test_plan_cli_reports_gpt2_small_balance(capsys):
+    assert cli_main(["plan", "--world-size", "2", "4", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["world_size"] for r in reports] == [2, 4]
+    assert reports[0]["total_numel"] == 124_439_808  # GPT-2 small with a tied head
+    assert reports[0]["imbalance"] < 1.0001
+    assert reports[1]["largest_tensor"]["name"] == "wte.weight"
+    assert reports[1]["imbalance"] == reports[1]["imbalance_bound"]
+
+
+def test_plan_cli_text(capsys):
+    assert cli_main(["plan", "--preset", "demo", "--layers", "2", "--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 3" in out and out.count("  rank ") == 3

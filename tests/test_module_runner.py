@@ -1,0 +1,60 @@
+"""``python -m ds_tensorshard SCRIPT``: an unmodified script runs with the plugin, also under the deepspeed launcher."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ds_tensorshard.__main__ import split_argv
+from ranks import TIMEOUT_S, free_port, rank_env
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "plain_train.py")
+
+
+def results(output: str) -> list[dict]:
+    return sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),
+                  key=lambda r: r["rank"])
+
+
+def test_split_argv_hands_launcher_flags_to_the_script():
+    assert split_argv(["--local_rank=1", "train.py", "--lr", "1"]) == ("train.py", ["--local_rank=1", "--lr", "1"])
+    assert split_argv(["--local_rank", "0", "train.py"]) == ("train.py", ["--local_rank=0"])
+    assert split_argv(["train.py", "a"]) == ("train.py", ["a"])
+    with pytest.raises(SystemExit, match="usage"):
+        split_argv([])
+    with pytest.raises(SystemExit, match="usage"):
+        split_argv(["--lr", "1"])
+
+
+def test_deepspeed_launcher_with_module_flag_runs_unmodified_script():
+    env = rank_env(0, 1, free_port())
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), "--module", "ds_tensorshard", SCRIPT, "--steps", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    found = results(proc.stdout)
+    assert [r["rank"] for r in found] == [0, 1]
+    assert all(r["optimizer"] == "TensorShardOptimizer" for r in found)
+    assert [r["local_rank"] for r in found] == [0, 1]  # --local_rank reached the script
+    assert sum(found[0]["numel_per_rank"]) == 8 * 16 + 16 + 16 + 1
+
+
+def test_plain_python_without_the_runner_gets_stock_deepspeed():
+    # the same script run directly never registers the plugin: the tensorshard block is inert
+    env = rank_env(0, 1, free_port())
+    proc = subprocess.run([sys.executable, SCRIPT, "--steps", "1"], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert [r["optimizer"] for r in results(proc.stdout)] == ["DeepSpeedZeroOptimizer"]
+
+
+def test_python_m_runner_single_process():
+    env = rank_env(0, 1, free_port())
+    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard", SCRIPT, "--steps", "1"], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert [r["optimizer"] for r in results(proc.stdout)] == ["TensorShardOptimizer"]
