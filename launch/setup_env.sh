@@ -1,0 +1,23 @@
+# Sourced by the launch scripts: make (once) and activate the project's venv, then set CPU defaults.
+# VENV: where the venv lives (default .venv); TORCH_SPEC: the torch to install (default the CPU build
+# torch==2.13.0; on a CUDA machine set e.g. TORCH_SPEC=torch).
+VENV="${VENV:-.venv}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+stamp="$VENV/.ds_tensorshard-installed"
+want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1) $TORCH_SPEC"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating $VENV"
+    python3 -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "installing $TORCH_SPEC, deepspeed and ds_tensorshard into $VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q "$TORCH_SPEC"
+    "$VENV/bin/pip" install -q -e ".[test]"
+    echo "$want" > "$stamp"
+fi
+export PATH="$PWD/$VENV/bin:$PATH"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# DeepSpeed JIT-builds FusedAdam on first use (about a minute on 2 cores); do it once, up front.
+python -c "import torch; from deepspeed.ops.adam import FusedAdam; FusedAdam([torch.nn.Parameter(torch.zeros(1))])" \
+    2>&1 | grep -v -i "warn" | tail -n 2 || true
