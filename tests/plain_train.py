@@ -4,7 +4,9 @@ Run through ``python -m ds_tensorshard`` the config's tensorshard block takes ef
 ``RESULT`` line per rank.
 """
 import argparse
+import hashlib
 import json
+import os
 
 import deepspeed
 import torch
@@ -12,22 +14,32 @@ import torch
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--one-tensor", action="store_true", help="a model of a single tensor: other ranks own nothing")
 args = parser.parse_args()
 
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+if args.one_tensor:
+    model = torch.nn.Linear(8, 1, bias=False)
+else:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+initial = [p.detach().clone() for p in model.parameters()]
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 for step in range(args.steps):
     x = torch.randn(2, 8)
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
-print("RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.local_rank,
+# one short write per line, so the launcher's merged output never interleaves two ranks' lines
+line = "RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.local_rank,
                               "optimizer": type(optimizer).__name__,
+                              "params_digest": hashlib.sha1(b"".join(p.detach().numpy().tobytes()
+                                                                     for p in engine.module.parameters())).hexdigest(),
+                              "moved": any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), initial)),
                               "numel_per_rank": list(optimizer.plan.numel_per_rank) if hasattr(optimizer, "plan")
-                              else None}), flush=True)
+                              else None})
+os.write(1, (line + "\n").encode())
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ds_tensorshard.__main__ import split_argv
-from ranks import TIMEOUT_S, free_port, rank_env
+from ranks import TIMEOUT_S, free_port, rank_env, run_ranks
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "plain_train.py")
@@ -58,3 +58,11 @@ def test_python_m_runner_single_process():
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert [r["optimizer"] for r in results(proc.stdout)] == ["TensorShardOptimizer"]
+
+
+def test_more_ranks_than_tensors_trains_with_empty_sets():
+    outputs = run_ranks(["-m", "ds_tensorshard", SCRIPT, "--one-tensor", "--steps", "3"], 3)
+    found = [results(out)[0] for out in outputs]
+    assert found[0]["numel_per_rank"] == [8, 0, 0]
+    assert all(r["moved"] for r in found)
+    assert found[0]["params_digest"] == found[1]["params_digest"] == found[2]["params_digest"]  # all got the update
