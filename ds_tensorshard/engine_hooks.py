@@ -1,10 +1,11 @@
-"""Registration: three small overrides on DeepSpeedEngine that route ZeRO-1/2 to TensorShardOptimizer.
+"""Registration: small overrides on DeepSpeedEngine that route ZeRO-1/2 to TensorShardOptimizer.
 
 DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``__init__``: validate the config first, before any model move or optimizer state;
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
-- ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer.
+- ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
+- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`.
 Engines whose config does not enable the plugin run the stock methods untouched.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
+from .checkpoint_hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from .config import TensorShardConfig, check_shardable, validate_engine_config
 
 _MARK = "_ds_tensorshard_original"
@@ -63,6 +65,9 @@ _WRAPPERS = {
     "__init__": _wrap_init,
     "_do_optimizer_sanity_check": _wrap_sanity_check,
     "_configure_zero_optimizer": _wrap_configure_zero,
+    "save_checkpoint": wrap_save_checkpoint,
+    "load_checkpoint": wrap_load_checkpoint,
+    "_load_zero_checkpoint": wrap_load_zero_checkpoint,
 }
 
 

@@ -26,6 +26,8 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScal
 from deepspeed.utils import logger
 
 from .buckets import build_buckets
+from .checkpoint_files import CheckpointError
+from .checkpoint_sources import FORMAT_KEY, FORMAT_VERSION, CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
 from .gather import broadcast_bucket
@@ -62,9 +64,10 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
-        names = {p: engine.param_names[p] for p in self.params}
-        self.plan = plan_ownership(((names[p], p.numel()) for p in self.params), self.comm.world_size,
-                                   param_names={id(p): name for p, name in names.items()})
+        self.names = {p: engine.param_names[p] for p in self.params}
+        self.plan = plan_ownership(((self.names[p], p.numel()) for p in self.params), self.comm.world_size,
+                                   param_names={id(p): name for p, name in self.names.items()})
+        self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
                                                  for group in self.bit16_groups], engine.get_data_types()[1], engine.device)
@@ -152,6 +155,63 @@ class TensorShardOptimizer(ZeROOptimizer):
             param.grad = None
         self.shard.drop_grads()
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's file: whole owned tensors keyed by name, plus what every rank shares."""
+        tensors = {}
+        for param, master in self.shard.masters.items():
+            state = self.optimizer.state.get(master, {})
+            tensors[self.names[param]] = {"master": master, "exp_avg": state.get("exp_avg"),
+                                          "exp_avg_sq": state.get("exp_avg_sq"), "step": _as_int(state.get("step", 0))}
+        return {
+            FORMAT_KEY: FORMAT_VERSION, "checkpoint_id": self.checkpoint_id,
+            "world_size": self.comm.world_size, "rank": self.comm.rank, "tensors": tensors,
+            "group_names": [[self.names[p] for p in group] for group in self.bit16_groups],
+            "shapes": {self.names[p]: tuple(p.shape) for p in self.params},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "loss_scaler": self.loss_scaler, "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow, "clip_grad": self.clip_grad,
+        }
+
+    def expected_checkpoint_layout(self) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
+        """Param-group membership and shapes, by name, that a checkpoint must match."""
+        return ([[self.names[p] for p in group] for group in self.bit16_groups],
+                {self.names[p]: tuple(p.shape) for p in self.params})
+
+    @torch.no_grad()
+    def load_from_source(self, source: CheckpointSource, load_optimizer_states: bool = True) -> None:
+        """Take the owned tensors' masters (and moments, step, hyper-parameters, loss scale) from a checkpoint."""
+        fused = type(self.optimizer).__name__ == "FusedAdam"
+        for param, master in self.shard.masters.items():
+            saved = source.tensor(self.names[param])
+            master.copy_(saved.master.view_as(master))
+            self.optimizer.state.pop(master, None)
+            if load_optimizer_states and saved.exp_avg is not None:
+                self.optimizer.state[master] = {
+                    "step": saved.step if fused else torch.tensor(float(saved.step)),
+                    "exp_avg": saved.exp_avg.to(master.device).view_as(master).contiguous(),
+                    "exp_avg_sq": saved.exp_avg_sq.to(master.device).view_as(master).contiguous()}
+        if load_optimizer_states:
+            for group, saved_group in zip(self.optimizer.param_groups, source.param_groups):
+                group.update(saved_group)
+            if source.scaler is not None and source.scaler.loss_scaler is not None:
+                self.loss_scaler = source.scaler.loss_scaler
+                self.overflow = source.scaler.overflow
+
+    @torch.no_grad()
+    def update_lp_params(self) -> None:
+        """Write the masters into the model's tensors on every rank (after a universal-checkpoint load)."""
+        for param, master in self.shard.masters.items():
+            param.data.copy_(master)
+        for bucket in self.buckets:
+            broadcast_bucket(bucket, self.comm)
+
+    def load_state_dict(self, state_dict_list: Any = None, load_optimizer_states: bool = True,
+                        load_from_fp32_weights: bool = True, checkpoint_folder: Any = None,
+                        load_serial: Any = None, param_shapes: Any = None) -> None:
+        raise CheckpointError("ds_tensorshard loads checkpoints through engine.load_checkpoint(), which reads "
+                              "every rank's file by tensor name; the per-rank state_dict list is not used")
+
     # -- weights loaded from outside (module-only loads, checkpoints without optimizer state) ----
     def _restore_from_bit16_weights(self) -> None:
         self.shard.reload_from_params()
@@ -159,11 +219,9 @@ class TensorShardOptimizer(ZeROOptimizer):
     def refresh_fp32_params(self) -> None:
         self.shard.reload_from_params()
 
-    def state_dict(self) -> dict:
-        raise NotImplementedError("ds_tensorshard does not save optimizer checkpoints yet (issue #3)")
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("ds_tensorshard does not load optimizer checkpoints yet (issue #3)")
+def _as_int(step: Any) -> int:
+    return int(step.item()) if torch.is_tensor(step) else int(step)
 
 
 def _in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Module) -> list[torch.nn.Parameter]:

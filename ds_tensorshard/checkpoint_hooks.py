@@ -1,0 +1,117 @@
+"""Engine checkpoint methods for ds_tensorshard engines: atomic saves, loads at any world size.
+
+``save_checkpoint``: every file is written atomically with its digest, every file of one save
+carries one checkpoint id, and ``latest`` moves only after every rank has finished.
+``load_checkpoint``: the checkpoint (ds_tensorshard, stock ZeRO-1/2 or universal) is opened and
+checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
+scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
+tensors, whatever world size saved them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import uuid
+
+from deepspeed import comm as dist
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from .checkpoint_files import save_atomic, write_text_atomic
+from .checkpoint_sources import CHECKPOINT_ID_KEY, open_checkpoint
+from .config import TensorShardConfigError
+
+
+def _enabled(engine) -> bool:
+    return getattr(engine, "_tensorshard_config", None) is not None
+
+
+def _shared_checkpoint_id() -> str:
+    box = [uuid.uuid4().hex]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _remove_stale_rank_files(folder: str, world_size: int) -> None:
+    """Drop optimizer files of ranks >= world_size left by an earlier, larger save of the same tag."""
+    for entry in os.listdir(folder):
+        match = re.match(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt(\.sha256)?$", entry)
+        if match and int(match.group(2)) >= world_size:
+            os.remove(os.path.join(folder, entry))
+
+
+def wrap_save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        if not _enabled(self):
+            return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
+            raise TensorShardConfigError(f"checkpoint engine {type(self.checkpoint_engine).__name__} is not supported "
+                                         "by ds_tensorshard; use DeepSpeed's default (torch) checkpoint engine")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        self.optimizer.checkpoint_id = _shared_checkpoint_id()
+        self.checkpoint_engine.save = save_atomic  # instance attribute: atomic writes for this save only
+        try:
+            original(self, save_dir, tag, {**client_state, CHECKPOINT_ID_KEY: self.optimizer.checkpoint_id},
+                     False, exclude_frozen_parameters)
+        finally:
+            del self.checkpoint_engine.save
+        dist.barrier()  # every rank's files are complete before anything points at them
+        if self.global_rank == 0:
+            _remove_stale_rank_files(os.path.join(save_dir, tag), self.optimizer.comm.world_size)
+            if save_latest:
+                write_text_atomic(os.path.join(save_dir, "latest"), tag)
+        dist.barrier()
+        return True
+    return save_checkpoint
+
+
+def _resolve_tag(load_dir: str, tag, universal: bool):
+    if tag is not None:
+        return str(tag)
+    latest = os.path.join(load_dir, "latest_universal" if universal else "latest")
+    if not os.path.isfile(latest):
+        return None  # DeepSpeed itself reports this case
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def wrap_load_checkpoint(original):
+    @functools.wraps(original)
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        call = functools.partial(original, self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only, custom_load_fn)
+        if not _enabled(self):
+            return call()
+        universal = self.load_universal_checkpoint()
+        resolved = _resolve_tag(load_dir, tag, universal)
+        if resolved is None:
+            return call()
+        source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal)
+        source.check_model(*self.optimizer.expected_checkpoint_layout())
+        self._tensorshard_source = source
+        try:
+            load_path, client_state = original(self, load_dir, resolved, load_module_strict, load_optimizer_states,
+                                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+        finally:
+            self._tensorshard_source = None
+        if client_state:
+            client_state.pop(CHECKPOINT_ID_KEY, None)
+        return load_path, client_state
+    return load_checkpoint
+
+
+def wrap_load_zero_checkpoint(original):
+    @functools.wraps(original)
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        if not _enabled(self):
+            return original(self, load_dir, tag, load_optimizer_states)
+        source = getattr(self, "_tensorshard_source", None)
+        if source is None:
+            source = open_checkpoint(os.path.join(load_dir, tag), universal=self.load_universal_checkpoint())
+            source.check_model(*self.optimizer.expected_checkpoint_layout())
+        self.optimizer.load_from_source(source, load_optimizer_states)
+        return True
+    return _load_zero_checkpoint

@@ -1,0 +1,269 @@
+"""Readers for the checkpoints ds_tensorshard loads: its own, stock ZeRO-1/2, DeepSpeed universal.
+
+Each reader checks its files when opened (present, intact, a known format and version, one save)
+and then hands out one tensor's optimizer state at a time, re-reading memory-mapped files so that
+no more than one tensor's state is held beyond what the caller keeps.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from . import checkpoint_files as files
+from .checkpoint_files import CheckpointError
+
+FORMAT_KEY = "ds_tensorshard_format"
+FORMAT_VERSION = 1
+CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+@dataclass
+class TensorState:
+    """One tensor's optimizer state as stored: fp32 master, Adam moments (None before the first step), step."""
+
+    master: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    step: int
+
+
+@dataclass
+class ScalerState:
+    loss_scaler: Any
+    dynamic_loss_scale: bool
+    overflow: bool
+    clip_grad: float
+
+
+class CheckpointSource:
+    """What every reader offers."""
+
+    kind: str
+    folder: str
+    world_size: int
+    group_names: list[list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    param_groups: list[dict]  # hyper-parameters per group; empty when the checkpoint has none
+    scaler: Optional[ScalerState]
+
+    def tensor(self, name: str) -> TensorState:
+        raise NotImplementedError
+
+    def check_model(self, group_names: Sequence[Sequence[str]], shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse a checkpoint of another model: missing, extra or reshaped tensors, other param groups."""
+        missing = [n for n in shapes if n not in self.shapes]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.folder} lacks tensor '{missing[0]}' of the model"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        extra = [n for n in self.shapes if n not in shapes]
+        if extra:
+            raise CheckpointError(f"checkpoint {self.folder} has tensor '{extra[0]}' that the model does not train"
+                                  + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        for name, shape in shapes.items():
+            if tuple(self.shapes[name]) != tuple(shape):
+                raise CheckpointError(f"tensor '{name}' has shape {tuple(self.shapes[name])} in checkpoint "
+                                      f"{self.folder} but {tuple(shape)} in the model")
+        if len(self.group_names) != len(group_names):
+            raise CheckpointError(f"checkpoint {self.folder} has {len(self.group_names)} param groups, "
+                                  f"the optimizer {len(group_names)}")
+        for g, (theirs, ours) in enumerate(zip(self.group_names, group_names)):
+            if set(theirs) != set(ours):
+                moved = sorted(set(theirs) ^ set(ours))[0]
+                raise CheckpointError(f"tensor '{moved}' is in another param group in checkpoint {self.folder} "
+                                      f"than in the optimizer (group {g})")
+
+
+def _hyper(group: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in group.items() if k not in ("params", "step")}
+
+
+def _model_states(folder: str) -> dict:
+    path = os.path.join(folder, MODEL_STATES)
+    files.verify(path)
+    return files.load(path)
+
+
+def _rank_files(folder: str, world_size: int) -> list[str]:
+    found: dict[int, str] = {}
+    for entry in sorted(os.listdir(folder)):
+        match = _RANK_FILE.match(entry)
+        if match and int(match.group(2)) < world_size:
+            found.setdefault(int(match.group(2)), os.path.join(folder, entry))
+    for rank in range(world_size):
+        if rank not in found:
+            raise CheckpointError(f"checkpoint {folder} was saved by {world_size} ranks but the optimizer file of "
+                                  f"rank {rank} (zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) is missing")
+    return [found[r] for r in range(world_size)]
+
+
+def open_checkpoint(folder: str, universal: bool = False) -> CheckpointSource:
+    """Open and check the checkpoint in ``folder`` (``<save_dir>/<tag>``)."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    model_states = _model_states(folder)
+    if universal:
+        return UniversalSource(folder, model_states)
+    world_size = int(model_states.get("dp_world_size", 1))
+    paths = _rank_files(folder, world_size)
+    for path in paths:
+        files.verify(path)
+    first = files.load(paths[0]).get("optimizer_state_dict")
+    if not isinstance(first, Mapping):
+        raise CheckpointError(f"{paths[0]} holds no optimizer state")
+    if FORMAT_KEY in first:
+        return TensorShardSource(folder, model_states, paths)
+    if "single_partition_of_fp32_groups" in first:
+        return ZeroSource(folder, model_states, paths)
+    raise CheckpointError(f"{paths[0]} is neither a ds_tensorshard nor a stock ZeRO-1/2 optimizer file")
+
+
+class TensorShardSource(CheckpointSource):
+    """ds_tensorshard's own layout: each rank file holds whole tensors, keyed by parameter name."""
+
+    kind = "tensorshard"
+
+    def __init__(self, folder: str, model_states: Mapping, paths: list[str]) -> None:
+        self.folder, self.paths, self.world_size = folder, paths, len(paths)
+        expected_id = model_states.get(CHECKPOINT_ID_KEY)
+        self.where: dict[str, int] = {}
+        for rank, path in enumerate(paths):
+            state = files.load(path)["optimizer_state_dict"]
+            version = state.get(FORMAT_KEY)
+            if not isinstance(version, int) or version > FORMAT_VERSION:
+                raise CheckpointError(f"{path} has ds_tensorshard format version {version!r}; this ds_tensorshard "
+                                      f"reads versions up to {FORMAT_VERSION}")
+            if state["checkpoint_id"] != expected_id:
+                raise CheckpointError(f"{path} comes from another save than {MODEL_STATES} in {folder} "
+                                      "(an interrupted save); load an earlier tag")
+            if state["world_size"] != self.world_size or state["rank"] != rank:
+                raise CheckpointError(f"{path} was written as rank {state['rank']} of {state['world_size']}")
+            for name in state["tensors"]:
+                self.where[name] = rank
+            if rank == 0:
+                self.group_names = [list(names) for names in state["group_names"]]
+                self.shapes = {n: tuple(s) for n, s in state["shapes"].items()}
+                self.param_groups = [dict(g) for g in state["param_groups"]]
+                self.scaler = ScalerState(state["loss_scaler"], state["dynamic_loss_scale"], state["overflow"],
+                                          state["clip_grad"])
+        orphan = next((n for n in self.shapes if n not in self.where), None)
+        if orphan is not None:
+            raise CheckpointError(f"tensor '{orphan}' is in no rank file of checkpoint {folder}")
+
+    def tensor(self, name: str) -> TensorState:
+        entry = files.load(self.paths[self.where[name]])["optimizer_state_dict"]["tensors"][name]
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731 - detach from the mapped file
+        return TensorState(clone(entry["master"]), clone(entry.get("exp_avg")), clone(entry.get("exp_avg_sq")),
+                           int(entry["step"]))
+
+
+class ZeroSource(CheckpointSource):
+    """Stock ZeRO-1/2: per group, one flat fp32 buffer split evenly over the ranks (any world size)."""
+
+    kind = "zero"
+
+    def __init__(self, folder: str, model_states: Mapping, paths: list[str]) -> None:
+        self.folder, self.paths, self.world_size = folder, paths, len(paths)
+        param_shapes = model_states.get("param_shapes")
+        if not param_shapes:
+            raise CheckpointError(f"{os.path.join(folder, MODEL_STATES)} has no param_shapes")
+        self.group_names = [list(group) for group in param_shapes]
+        self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
+        self.sizes: list[list[int]] = []  # [rank][group] elements of the rank's (unpadded) partition
+        for rank, path in enumerate(paths):
+            state = files.load(path)["optimizer_state_dict"]
+            counts = state.get("partition_count", [self.world_size])
+            if any(int(c) != self.world_size for c in counts):
+                raise CheckpointError(f"{path} is partitioned {counts} ways, not over {self.world_size} ranks")
+            self.sizes.append([int(p.numel()) for p in state["single_partition_of_fp32_groups"]])
+            if rank == 0:
+                base = state["base_optimizer_state"]
+                # elastic_checkpoint files keep no hyper-parameters: the optimizer's own stay
+                self.param_groups = [_hyper(g) for g in base["param_groups"]] if isinstance(base, Mapping) else []
+                self.scaler = ScalerState(state.get("loss_scaler"), bool(state.get("dynamic_loss_scale")),
+                                          bool(state.get("overflow")), float(state.get("clip_grad", 0.0)))
+                self.paddings = state.get("param_alignment_paddings")
+        self.offsets: dict[str, tuple[int, int]] = {}  # name -> (group, start in the group's flat buffer)
+        for g, group in enumerate(param_shapes):
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                self.offsets[name] = (g, offset)
+                offset += int(torch.Size(shape).numel())
+                if self.paddings:
+                    offset += int(self.paddings[g][i])
+
+    def _flat_range(self, g: int, start: int, numel: int, pick) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32)
+        rank_start = 0
+        for rank, path in enumerate(self.paths):
+            size = self.sizes[rank][g]
+            lo, hi = max(start, rank_start), min(start + numel, rank_start + size)
+            if lo < hi:
+                flat = pick(files.load(path)["optimizer_state_dict"], g)
+                out[lo - start:hi - start].copy_(flat[lo - rank_start:hi - rank_start])
+            rank_start += size
+        if start + numel > rank_start:
+            raise CheckpointError(f"the flat buffers of checkpoint {self.folder} are shorter than its param_shapes")
+        return out
+
+    def tensor(self, name: str) -> TensorState:
+        g, start = self.offsets[name]
+        shape = self.shapes[name]
+        numel = int(torch.Size(shape).numel())
+        first = files.load(self.paths[0])["optimizer_state_dict"]
+        group_state = _base_state(first, g)
+        master = self._flat_range(g, start, numel, lambda s, g: s["single_partition_of_fp32_groups"][g])
+        if "exp_avg" not in group_state:
+            return TensorState(master.view(shape), None, None, 0)
+        moments = [self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k])
+                   for k in ("exp_avg", "exp_avg_sq")]
+        step = first.get("base_optimizer_state_step", group_state.get("step", 0))
+        return TensorState(master.view(shape), moments[0].view(shape), moments[1].view(shape), int(step))
+
+
+def _base_state(state: Mapping, g: int) -> Mapping:
+    base = state["base_optimizer_state"]
+    if isinstance(base, Mapping):  # torch state_dict of the flat optimizer
+        return base["state"].get(g, {})
+    return base[g]  # elastic_checkpoint: a list of per-group dicts
+
+
+class UniversalSource(CheckpointSource):
+    """DeepSpeed universal checkpoint: ``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt``."""
+
+    kind = "universal"
+
+    def __init__(self, folder: str, model_states: Mapping) -> None:
+        self.folder, self.world_size = folder, int(model_states.get("dp_world_size", 1))
+        self.zero = os.path.join(folder, "zero")
+        state = files.load(os.path.join(self.zero, "optimizer_state.pt")) \
+            if os.path.isfile(os.path.join(self.zero, "optimizer_state.pt")) else None
+        if state is None:
+            raise CheckpointError(f"{os.path.join(self.zero, 'optimizer_state.pt')} is missing: not a universal checkpoint")
+        param_shapes = model_states["param_shapes"]
+        self.group_names = [list(group) for group in param_shapes]
+        self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
+        self.param_groups = [_hyper(g) for g in state["param_groups"]]
+        self.scaler = ScalerState(state.get("loss_scaler"), bool(state.get("dynamic_loss_scale")),
+                                  bool(state.get("overflow")), float(state.get("clip_grad", 0.0)))
+        missing = next((n for n in self.shapes if not os.path.isfile(os.path.join(self.zero, n, "fp32.pt"))), None)
+        if missing is not None:
+            raise CheckpointError(f"universal checkpoint {folder} lacks {os.path.join(self.zero, missing, 'fp32.pt')}")
+
+    def _part(self, name: str, key: str) -> Optional[torch.Tensor]:
+        path = os.path.join(self.zero, name, f"{key}.pt")
+        if not os.path.isfile(path):
+            return None
+        value = files.load(path)
+        return (value["param"] if isinstance(value, Mapping) else value).clone().view(self.shapes[name])
+
+    def tensor(self, name: str) -> TensorState:
+        step_path = os.path.join(self.zero, name, "step.pt")
+        step = files.load(step_path) if os.path.isfile(step_path) else 0
+        return TensorState(self._part(name, "fp32"), self._part(name, "exp_avg"), self._part(name, "exp_avg_sq"),
+                           int(step.item() if torch.is_tensor(step) else step))

@@ -1,0 +1,80 @@
+"""One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
+
+python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K] [--universal]
+
+The global batch is 12 sequences per step whatever the world size (micro batch 2, GAS 6 / world),
+and the same 12 sequences make up step s on every world size, so runs at different world sizes
+must agree. Rank 0 writes OUT: the mean loss of each step run here and the final parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+import ds_tensorshard  # noqa: E402, F401
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups, shutdown  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
+
+GLOBAL_BATCH, MICRO = 12, 2
+
+
+def sample(step: int, index: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(100_000 * step + index))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("dtype")
+    parser.add_argument("mode")
+    parser.add_argument("stage", type=int)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    parser.add_argument("--save-at", type=int)
+    parser.add_argument("--universal", action="store_true")
+    args = parser.parse_args()
+    get_accelerator().is_fp16_supported = lambda: True
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    gas = GLOBAL_BATCH // (MICRO * world)
+    config = ds_config(args.dtype, args.mode, args.stage, world)
+    config.update(gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH)
+    if args.universal:
+        config["checkpoint"] = {"load_universal": True}
+    torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
+    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    if args.load:
+        path, client_state = engine.load_checkpoint(args.load)
+        assert path is not None, f"nothing loaded from {args.load}"
+        assert client_state.get("marker") == "kept", client_state
+    losses = {}
+    while engine.global_steps < args.steps:
+        step = engine.global_steps
+        total = torch.zeros(())
+        for micro in range(gas):
+            first = (micro * world + rank) * MICRO
+            tokens = torch.stack([sample(step, first + i) for i in range(MICRO)])
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        torch.distributed.all_reduce(total)
+        losses[step] = total.item() / (gas * world)
+        if args.save and engine.global_steps == args.save_at:
+            engine.save_checkpoint(args.save, tag=f"step{args.save_at}", client_state={"marker": "kept"})
+    if rank == 0:
+        torch.save({"losses": losses, "params": {n: p.detach().float().clone()
+                                                 for n, p in engine.module.named_parameters()}}, args.out)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
