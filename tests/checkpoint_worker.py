@@ -1,6 +1,7 @@
 """One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
 
-python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K] [--universal]
+python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
+    [--die-during-save-at K] [--universal]
 
 The global batch is 12 sequences per step whatever the world size (micro batch 2, GAS 6 / world),
 and the same 12 sequences make up step s on every world size, so runs at different world sizes
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -29,6 +31,17 @@ def sample(step: int, index: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(100_000 * step + index))
 
 
+def die_inside_torch_save() -> None:
+    """From now on, torch.save writes half a file and the process is SIGKILLed: a crash mid-save."""
+    real_save = torch.save
+
+    def save_then_die(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        os.truncate(f, os.path.getsize(f) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    torch.save = save_then_die
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -38,7 +51,8 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("--load")
     parser.add_argument("--save")
-    parser.add_argument("--save-at", type=int)
+    parser.add_argument("--save-at", type=int, nargs="+", default=[])
+    parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
     parser.add_argument("--universal", action="store_true")
     args = parser.parse_args()
     get_accelerator().is_fp16_supported = lambda: True
@@ -68,8 +82,10 @@ def main() -> None:
             total += loss.detach().float()
         torch.distributed.all_reduce(total)
         losses[step] = total.item() / (gas * world)
-        if args.save and engine.global_steps == args.save_at:
-            engine.save_checkpoint(args.save, tag=f"step{args.save_at}", client_state={"marker": "kept"})
+        if args.save and engine.global_steps in args.save_at:
+            if engine.global_steps == args.die_during_save_at and rank == 1:
+                die_inside_torch_save()
+            engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
     if rank == 0:
         torch.save({"losses": losses, "params": {n: p.detach().float().clone()
                                                  for n, p in engine.module.named_parameters()}}, args.out)

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 TIMEOUT_S = 600
@@ -46,3 +47,23 @@ def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check
         for rank, (proc, out) in enumerate(zip(procs, outputs)):
             assert proc.returncode == 0, f"rank {rank} of {args} exited {proc.returncode}:\n{out[-6000:]}"
     return outputs
+
+
+def run_until_one_dies(args: Sequence[str], world: int, timeout: float = TIMEOUT_S) -> list[int]:
+    """Run ranks until one of them exits non-zero, then kill the rest (they wait for it forever)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(p.poll() not in (None, 0) for p in procs):
+            if time.monotonic() > deadline or all(p.poll() == 0 for p in procs):
+                raise AssertionError(f"no rank of {args} died within {timeout}s")
+            time.sleep(0.2)
+        time.sleep(2.0)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return [p.returncode for p in procs]

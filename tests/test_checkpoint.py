@@ -1,0 +1,172 @@
+"""Checkpoints with real ranks: resume at any world size, from stock ZeRO-1/2 and universal checkpoints,
+an interrupted save that loses nothing, and refusals that name the file or tensor before touching state.
+
+Every run trains TinyGPT at the same global batch of 12 sequences (see checkpoint_worker.py), so a
+run resumed at m ranks must match the uninterrupted run at n ranks step for step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import deepspeed
+import pytest
+import torch
+
+import ds_tensorshard  # noqa: F401
+from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
+from ds_tensorshard.checkpoint_sources import FORMAT_KEY
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+from ranks import run_ranks, run_until_one_dies
+from tiny_gpt import TinyGPT
+
+WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
+FP32 = dict(loss=1e-5, param=1e-5)
+BF16 = dict(loss=1e-3, param=1e-2)  # see test_equivalence.TOLERANCE
+
+
+def train(out, dtype, mode, stage, world, *extra):
+    run_ranks([WORKER, str(out), dtype, mode, str(stage), "6", *map(str, extra)], world)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    r = {"dir": d}
+    r["ref2"] = train(d / "ref2.pt", "fp32", "ts", 2, 2, "--save", d / "c2", "--save-at", 3)
+    r["ref3"] = train(d / "ref3.pt", "fp32", "ts", 2, 3, "--save", d / "c3", "--save-at", 3)
+    r["2to3"] = train(d / "l23.pt", "fp32", "ts", 2, 3, "--load", d / "c2")
+    r["3to2"] = train(d / "l32.pt", "fp32", "ts", 2, 2, "--load", d / "c3")
+    r["3to1"] = train(d / "l31.pt", "fp32", "ts", 2, 1, "--load", d / "c3")
+    r["stock2"] = train(d / "s2.pt", "fp32", "stock", 2, 2, "--save", d / "s2", "--save-at", 3)
+    r["stock2to2"] = train(d / "ls22.pt", "fp32", "ts", 2, 2, "--load", d / "s2")
+    r["stock2to3s1"] = train(d / "ls23.pt", "fp32", "ts", 1, 3, "--load", d / "s2")
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(d / "s2" / "step3"), "--output_folder", str(d / "s2" / "step3_universal"),
+                    "--inject_missing_state"], check=True, capture_output=True, timeout=300)
+    r["universal3"] = train(d / "lu3.pt", "fp32", "ts", 2, 3, "--load", d / "s2", "--universal")
+    r["stock1bf16"] = train(d / "sb.pt", "bf16", "stock", 1, 3, "--save", d / "sb", "--save-at", 3)
+    r["stock1bf16to2"] = train(d / "lsb.pt", "bf16", "ts", 1, 2, "--load", d / "sb")
+    codes = run_until_one_dies([WORKER, str(d / "killed.pt"), "fp32", "ts", "2", "6", "--save", str(d / "k"),
+                                "--save-at", "2", "4", "--die-during-save-at", "4"], 2)
+    r["kill_codes"] = codes
+    r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k")
+    return r
+
+
+def assert_continues(resumed, reference, tol, first_step):
+    assert sorted(resumed["losses"]) == list(range(first_step, 6))
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - reference["losses"][step]) <= tol["loss"], (step, loss, reference["losses"][step])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=tol["param"], msg=name)
+
+
+@pytest.mark.parametrize("resumed,reference", [("2to3", "ref2"), ("3to2", "ref3"), ("3to1", "ref3")])
+def test_resume_at_another_world_size_matches_uninterrupted_run(runs, resumed, reference):
+    assert_continues(runs[resumed], runs[reference], FP32, first_step=3)
+
+
+def test_world_sizes_agree_with_each_other(runs):
+    assert_continues({"losses": runs["ref3"]["losses"], "params": runs["ref3"]["params"]},
+                     runs["ref2"], FP32, first_step=0)
+
+
+@pytest.mark.parametrize("resumed", ["stock2to2", "stock2to3s1", "universal3"])
+def test_stock_zero2_and_universal_checkpoints_continue_like_stock(runs, resumed):
+    assert_continues(runs[resumed], runs["stock2"], FP32, first_step=3)
+
+
+def test_stock_zero1_bf16_checkpoint_from_3_ranks_continues_at_2(runs):
+    assert_continues(runs["stock1bf16to2"], runs["stock1bf16"], BF16, first_step=3)
+
+
+def test_killed_save_leaves_previous_checkpoint_loadable(runs):
+    d = runs["dir"] / "k"
+    assert runs["kill_codes"][1] == -9  # SIGKILL in the middle of writing its file
+    assert (d / "latest").read_text() == "step2"
+    assert_continues(runs["after_kill"], runs["ref2"], FP32, first_step=2)
+    assert not (d / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
+
+
+# -- refusals, in this process (one rank): named, and before any state is touched ------------------
+
+@pytest.fixture
+def engine(single_rank_world):
+    def make(**model_args):
+        torch.manual_seed(7)
+        model = TinyGPT(vocab=VOCAB, seq=SEQ, **model_args)
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                            config=ds_config("fp32", "ts", 2, 1))
+        return eng
+    return make
+
+
+def copy_checkpoint(runs, tmp_path):
+    target = tmp_path / "c2"
+    shutil.copytree(runs["dir"] / "c2", target)
+    return target, target / "step3"
+
+
+def assert_refused(eng, load_dir, message):
+    before = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    with pytest.raises(CheckpointError, match=message):
+        eng.load_checkpoint(str(load_dir))
+    assert all(torch.equal(before[n], p) for n, p in eng.module.named_parameters())
+    assert len(eng.optimizer.optimizer.state) == 0
+
+
+def test_truncated_file_is_refused_by_name(runs, tmp_path, engine):
+    d, tag = copy_checkpoint(runs, tmp_path)
+    victim = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(victim, victim.stat().st_size // 2)
+    assert_refused(engine(), d, "zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated or corrupt")
+
+
+def test_corrupt_byte_is_refused_by_name(runs, tmp_path, engine):
+    d, tag = copy_checkpoint(runs, tmp_path)
+    victim = tag / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert_refused(engine(), d, "mp_rank_00_model_states.pt is truncated or corrupt")
+
+
+def test_missing_rank_file_is_refused(runs, tmp_path, engine):
+    d, tag = copy_checkpoint(runs, tmp_path)
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert_refused(engine(), d, "optimizer file of rank 1 .* is missing")
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_tensor(runs, tmp_path, engine):
+    d, _ = copy_checkpoint(runs, tmp_path)
+    assert_refused(engine(width=48), d, r"tensor '.*' has shape .* in checkpoint .* but .* in the model")
+    assert_refused(engine(layers=3), d, r"checkpoint .* lacks tensor 'blocks\.2\.")
+    assert_refused(engine(layers=1), d, r"checkpoint .* has tensor 'blocks\.1\..*' that the model does not train")
+
+
+def test_unknown_format_version_is_refused(runs, tmp_path, engine):
+    d, tag = copy_checkpoint(runs, tmp_path)
+    path = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    content = torch.load(path, weights_only=False)
+    content["optimizer_state_dict"][FORMAT_KEY] = 99
+    torch.save(content, path)
+    (tag / (path.name + ".sha256")).write_text(file_digest(str(path)))
+    assert_refused(engine(), d, "format version 99")
+
+
+def test_single_rank_loads_what_two_ranks_saved(runs, engine):
+    eng = engine()
+    path, client_state = eng.load_checkpoint(str(runs["dir"] / "c2"))
+    assert path is not None and client_state["marker"] == "kept"
+    assert eng.global_steps == 3
+    saved = torch.load(runs["dir"] / "c2" / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       weights_only=False)["optimizer_state_dict"]["tensors"]
+    name, entry = next(iter(saved.items()))
+    param = dict(eng.module.named_parameters())[name]
+    master = eng.optimizer.shard.masters[param]
+    assert torch.equal(master, entry["master"])
+    assert torch.equal(eng.optimizer.optimizer.state[master]["exp_avg"], entry["exp_avg"])
