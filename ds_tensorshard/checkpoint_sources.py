@@ -51,6 +51,7 @@ class CheckpointSource:
     shapes: dict[str, tuple[int, ...]]
     param_groups: list[dict]  # hyper-parameters per group; empty when the checkpoint has none
     scaler: Optional[ScalerState]
+    model_states: dict  # the checkpoint's mp_rank_00_model_states.pt (tensors memory-mapped)
 
     def tensor(self, name: str) -> TensorState:
         raise NotImplementedError
@@ -106,21 +107,28 @@ def open_checkpoint(folder: str, universal: bool = False) -> CheckpointSource:
     """Open and check the checkpoint in ``folder`` (``<save_dir>/<tag>``)."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    model_states = _model_states(folder)
+    return _open(folder, _model_states(folder), universal)
+
+
+def _open(folder: str, model_states: dict, universal: bool) -> CheckpointSource:
     if universal:
-        return UniversalSource(folder, model_states)
-    world_size = int(model_states.get("dp_world_size", 1))
-    paths = _rank_files(folder, world_size)
-    for path in paths:
-        files.verify(path)
-    first = files.load(paths[0]).get("optimizer_state_dict")
-    if not isinstance(first, Mapping):
-        raise CheckpointError(f"{paths[0]} holds no optimizer state")
-    if FORMAT_KEY in first:
-        return TensorShardSource(folder, model_states, paths)
-    if "single_partition_of_fp32_groups" in first:
-        return ZeroSource(folder, model_states, paths)
-    raise CheckpointError(f"{paths[0]} is neither a ds_tensorshard nor a stock ZeRO-1/2 optimizer file")
+        source: CheckpointSource = UniversalSource(folder, model_states)
+    else:
+        world_size = int(model_states.get("dp_world_size", 1))
+        paths = _rank_files(folder, world_size)
+        for path in paths:
+            files.verify(path)
+        first = files.load(paths[0]).get("optimizer_state_dict")
+        if not isinstance(first, Mapping):
+            raise CheckpointError(f"{paths[0]} holds no optimizer state")
+        if FORMAT_KEY in first:
+            source = TensorShardSource(folder, model_states, paths)
+        elif "single_partition_of_fp32_groups" in first:
+            source = ZeroSource(folder, model_states, paths)
+        else:
+            raise CheckpointError(f"{paths[0]} is neither a ds_tensorshard nor a stock ZeRO-1/2 optimizer file")
+    source.model_states = model_states
+    return source
 
 
 class TensorShardSource(CheckpointSource):

@@ -112,12 +112,12 @@ def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> in
 MAPPED_ZERO_KEYS = {
     "stage": "selects the mode: 1 = reduce at the accumulation boundary, 2 = reduce every micro-step",
     "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set",
+    "reduce_scatter": "at stage 2, true divides gradients by the world size before the sum, as stock does",
 }
 IGNORED_ZERO_KEYS = {
     "allgather_bucket_size": "parameters are gathered with the reduce buckets",
     "overlap_comm": "reduction runs after backward",
     "contiguous_gradients": "buckets are packed contiguously anyway",
-    "reduce_scatter": "each bucket has a single owner and is reduced onto it",
     "round_robin_gradients": "ownership comes from the balanced plan",
     "allgather_partitions": "updated tensors are broadcast from their owners",
 }

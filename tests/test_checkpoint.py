@@ -6,6 +6,7 @@ run resumed at m ranks must match the uninterrupted run at n ranks step for step
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -54,7 +55,18 @@ def runs(tmp_path_factory):
                                 "--save-at", "2", "4", "--die-during-save-at", "4"], 2)
     r["kill_codes"] = codes
     r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k")
+    cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
+    r["converted_stock"] = train(d / "lcs.pt", "fp32", "ts", 2, 2, "--load", d / "s2_as_ts")
+    cli("convert-checkpoint", d / "c2", d / "c2_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
+    r["stock_from_ts"] = train(d / "lsz.pt", "fp32", "stock", 2, 3, "--load", d / "c2_as_zero")
     return r
+
+
+def cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def assert_continues(resumed, reference, tol, first_step):
@@ -170,3 +182,71 @@ def test_single_rank_loads_what_two_ranks_saved(runs, engine):
     master = eng.optimizer.shard.masters[param]
     assert torch.equal(master, entry["master"])
     assert torch.equal(eng.optimizer.optimizer.state[master]["exp_avg"], entry["exp_avg"])
+
+
+# -- conversions -----------------------------------------------------------------------------------
+
+def test_stock_checkpoint_converted_to_tensorshard_continues_like_stock(runs):
+    assert_continues(runs["converted_stock"], runs["stock2"], FP32, first_step=3)
+
+
+def test_tensorshard_checkpoint_converted_to_zero_is_loaded_and_continued_by_stock_deepspeed(runs):
+    # saved by ds_tensorshard at 2 ranks, laid out for 3, resumed by stock ZeRO-2 at 3 ranks
+    assert_continues(runs["stock_from_ts"], runs["ref2"], FP32, first_step=3)
+
+
+def test_fp32_export_of_stock_checkpoint_equals_zero_to_fp32(runs, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    cli("convert-checkpoint", runs["dir"] / "s2", tmp_path / "w.pt", "--to", "fp32")
+    ours = torch.load(tmp_path / "w.pt")
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(runs["dir"] / "s2"))
+    assert ours.keys() == theirs.keys()
+    assert {"head.weight", "wte.weight", "frozen_scale", "unused"} <= ours.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name].float()), name
+    TinyGPT(vocab=VOCAB, seq=SEQ).load_state_dict(ours, strict=True)
+
+
+def test_fp32_export_of_tensorshard_checkpoint_and_of_its_zero_conversion_agree(runs, tmp_path):
+    cli("convert-checkpoint", runs["dir"] / "c2", tmp_path / "ts.pt", "--to", "fp32")
+    cli("convert-checkpoint", runs["dir"] / "c2_as_zero", tmp_path / "zero.pt", "--to", "fp32")
+    ts, zero = torch.load(tmp_path / "ts.pt"), torch.load(tmp_path / "zero.pt")
+    assert ts.keys() == zero.keys()
+    assert all(torch.equal(ts[k], zero[k]) for k in ts)
+    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    model.load_state_dict(ts, strict=True)
+    assert model.head.weight is model.wte.weight
+
+
+def test_plan_of_a_checkpoint(runs):
+    out = cli("plan", "--checkpoint", runs["dir"] / "c2", "--world-size", "3", "--json")
+    report = json.loads(out[out.index("["):])
+    assert report[0]["tensors"] == 29 and report[0]["total_numel"] == 28288
+
+
+def test_migrate_config_reports_every_key_and_validates(tmp_path):
+    src = os.path.join(os.path.dirname(__file__), "..", "configs", "stock_zero2.json")
+    stock = json.load(open(src))
+    stock["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    stock["zero_allow_untested_optimizer"] = True
+    (tmp_path / "in.json").write_text(json.dumps(stock))
+    out = cli("migrate-config", tmp_path / "in.json", "-o", tmp_path / "out.json")
+    migrated = json.loads((tmp_path / "out.json").read_text())
+    assert migrated["tensorshard"] == {"enabled": True, "comm_backend": "torch"}
+    assert "offload_optimizer" not in migrated["zero_optimization"]
+    assert "zero_allow_untested_optimizer" not in migrated
+    assert "zero_optimization.offload_optimizer: dropped" in out
+    for key in list(stock["zero_optimization"]) + [k for k in stock if k != "zero_optimization"]:
+        assert key in out, key
+    from ds_tensorshard.config import validate_engine_config
+    assert validate_engine_config(migrated).enabled
+
+
+def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
+    for config, message in [({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
+                            ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "'Lamb'")]:
+        (tmp_path / "in.json").write_text(json.dumps(config))
+        proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "migrate-config", str(tmp_path / "in.json"),
+                               "-o", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr
+        assert not (tmp_path / "out.json").exists()

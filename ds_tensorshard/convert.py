@@ -1,0 +1,155 @@
+"""Offline checkpoint conversion: to plain fp32 weights, to ds_tensorshard, back to stock ZeRO-1/2.
+
+Every writer reads the source one tensor at a time (see :mod:`.checkpoint_sources`) and writes
+through :func:`.checkpoint_files.save_atomic`; ``latest`` is written last.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Optional
+
+import torch
+
+from .checkpoint_files import CheckpointError, save_atomic, write_text_atomic
+from .checkpoint_sources import (CHECKPOINT_ID_KEY, FORMAT_KEY, FORMAT_VERSION, MODEL_STATES, CheckpointSource,
+                                 open_checkpoint)
+from .plan import plan_ownership
+
+
+def resolve(checkpoint_dir: str, tag: Optional[str] = None, universal: bool = False) -> tuple[str, str]:
+    """``(folder, tag)`` of a checkpoint given its save dir (tag from ``latest``) or its tag folder."""
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
+        return checkpoint_dir, os.path.basename(os.path.normpath(checkpoint_dir))
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest_universal" if universal else "latest")
+        if not os.path.isfile(latest):
+            raise CheckpointError(f"{checkpoint_dir} has no '{os.path.basename(latest)}' file; pass --tag")
+        with open(latest) as f:
+            tag = f.read().strip()
+    return os.path.join(checkpoint_dir, tag), tag
+
+
+def fp32_state_dict(source: CheckpointSource) -> dict[str, torch.Tensor]:
+    """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
+    tensors and buffers from the saved module; tied aliases share their owner's tensor."""
+    module = source.model_states["module"]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.items():
+        if name in source.shapes:
+            out[name] = source.tensor(name).master.clone()
+        elif torch.is_tensor(value):
+            out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+    for alias, owner in (source.model_states.get("shared_params") or {}).items():
+        out[alias] = out[owner]
+    return out
+
+
+def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: Optional[str]) -> dict:
+    states = {k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY}
+    states["dp_world_size"] = world_size
+    states["param_shapes"] = [{n: torch.Size(source.shapes[n]) for n in names} for names in source.group_names]
+    if checkpoint_id is not None:
+        states[CHECKPOINT_ID_KEY] = checkpoint_id
+    return states
+
+
+def _scaler_fields(source: CheckpointSource) -> dict:
+    scaler = source.scaler
+    return {"loss_scaler": scaler.loss_scaler if scaler else None,
+            "dynamic_loss_scale": scaler.dynamic_loss_scale if scaler else False,
+            "overflow": scaler.overflow if scaler else False, "clip_grad": scaler.clip_grad if scaler else 0.0}
+
+
+def _rank_file(folder: str, rank: int, bf16: bool) -> str:
+    return os.path.join(folder, f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+
+
+def _is_bf16(source: CheckpointSource) -> bool:
+    config = source.model_states.get("ds_config") or {}
+    return bool((config.get("bf16") or {}).get("enabled"))
+
+
+def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int) -> None:
+    """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``)."""
+    folder = os.path.join(dst, tag)
+    os.makedirs(folder, exist_ok=True)
+    checkpoint_id = uuid.uuid4().hex
+    plan = plan_ownership(((n, int(torch.Size(s).numel())) for n, s in source.shapes.items()), world_size)
+    groups = source.param_groups or [{} for _ in source.group_names]
+    for rank in range(world_size):
+        tensors = {}
+        for name in plan.names_of(rank):
+            state = source.tensor(name)
+            tensors[name] = {"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,
+                             "step": state.step}
+        save_atomic({"optimizer_state_dict": {
+            FORMAT_KEY: FORMAT_VERSION, "checkpoint_id": checkpoint_id, "world_size": world_size, "rank": rank,
+            "tensors": tensors, "group_names": source.group_names, "shapes": source.shapes,
+            "param_groups": groups, **_scaler_fields(source)}}, _rank_file(folder, rank, _is_bf16(source)))
+    save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, MODEL_STATES))
+    write_text_atomic(os.path.join(dst, "latest"), tag)
+
+
+def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int) -> None:
+    """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
+    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    folder = os.path.join(dst, tag)
+    os.makedirs(folder, exist_ok=True)
+    group_layouts = []
+    for names in source.group_names:
+        total = sum(int(torch.Size(source.shapes[n]).numel()) for n in names)
+        padded = -(-total // (2 * world_size)) * (2 * world_size)
+        group_layouts.append((names, total, padded // world_size))
+    step = None
+    for rank in range(world_size):
+        masters, state, paddings = [], {}, []
+        for g, (names, total, part) in enumerate(group_layouts):
+            flats = {k: torch.zeros(part) for k in ("master", "exp_avg", "exp_avg_sq")}
+            lo, hi, offset = rank * part, (rank + 1) * part, 0
+            for name in names:
+                numel = int(torch.Size(source.shapes[name]).numel())
+                a, b = max(lo, offset), min(hi, offset + numel)
+                if a < b:
+                    saved = source.tensor(name)
+                    step = saved.step if step is None else step
+                    for key in flats:
+                        value = getattr(saved, key)
+                        if value is not None:
+                            flats[key][a - lo:b - lo].copy_(value.reshape(-1)[a - offset:b - offset])
+                offset += numel
+            padding = max(0, min(part, hi - total))
+            paddings.append(padding)
+            masters.append(flats["master"][:part - padding].clone())
+            state[g] = {"step": step or 0, "exp_avg": flats["exp_avg"], "exp_avg_sq": flats["exp_avg_sq"]}
+        hyper = source.param_groups or [{} for _ in group_layouts]
+        save_atomic({"optimizer_state_dict": {
+            **_scaler_fields(source),
+            "base_optimizer_state": {"state": state, "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)]},
+            "single_partition_of_fp32_groups": masters,
+            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+            "group_paddings": paddings, "partition_count": [world_size] * len(group_layouts),
+            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, _is_bf16(source)))
+    save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, MODEL_STATES))
+    write_text_atomic(os.path.join(dst, "latest"), tag)
+
+
+def convert(src: str, dst: str, to: str, tag: Optional[str] = None, world_size: int = 1, stage: int = 2,
+            universal: bool = False) -> str:
+    """Convert the checkpoint at ``src``; returns what was written."""
+    folder, tag = resolve(src, tag, universal)
+    source = open_checkpoint(folder, universal=universal)
+    if to == "fp32":
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+        save_atomic(fp32_state_dict(source), dst)
+        return dst
+    if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
+        raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
+    if to == "tensorshard":
+        to_tensorshard(source, dst, tag, world_size)
+    elif to == "zero":
+        to_zero(source, dst, tag, world_size, stage)
+    else:
+        raise ValueError(f"unknown conversion target {to!r}")
+    return os.path.join(dst, tag)
