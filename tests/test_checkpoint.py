@@ -250,3 +250,14 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
                                "-o", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr
         assert not (tmp_path / "out.json").exists()
+
+
+def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
+    rows = []
+    for phase in ("save", "load"):
+        out = run_ranks(["-m", "ds_tensorshard.examples.checkpoint_memory", "--phase", phase, "--dir",
+                         str(tmp_path), "--preset", "demo"], 2)[0]
+        rows += [json.loads(line[len("MEMORY "):]) for line in out.splitlines() if line.startswith("MEMORY ")]
+    assert [(r["phase"], r["rank"]) for r in rows] == [("save", 0), ("save", 1), ("load", 0), ("load", 1)]
+    for r in rows:  # 64 MiB of allocator and import slack on top of the bound
+        assert r["rise_mib"] <= r["own_state_mib"] + r["largest_tensor_state_mib"] + 64, r
