@@ -1,20 +1,20 @@
 """Gather: updated parameters go from their owners back to every rank (claim 3)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .buckets import Bucket
-from .comm import TorchComm
 
 
 @torch.no_grad()
-def broadcast_bucket(bucket: Bucket, comm: TorchComm) -> None:
-    """Send the owner's parameters of ``bucket`` to every rank with one collective."""
-    if comm.rank == bucket.owner:
-        flat = bucket.pack(lambda p: p.data)
-    else:
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.params[0].device)
-    comm.broadcast(flat, bucket.owner)
-    if comm.rank != bucket.owner:
-        for param, view in bucket.slices(flat):
-            param.data.copy_(view)
+def gather_bucket(bucket: Bucket, comm: Any) -> None:
+    """One all-gather for the whole bucket: every rank receives every owner's updated tensors."""
+    mine = bucket.pack_segment(comm.rank, lambda p: p.data)
+    flat = comm.all_gather(mine, bucket.counts)
+    starts, _ = comm.layout(bucket.counts)
+    for rank, start in enumerate(starts):
+        if rank != comm.rank:
+            for param, view in bucket.views(rank, flat[start:start + bucket.counts[rank]]):
+                param.data.copy_(view)

@@ -30,7 +30,7 @@ from .checkpoint_files import CheckpointError
 from .checkpoint_sources import FORMAT_KEY, FORMAT_VERSION, CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
-from .gather import broadcast_bucket
+from .gather import gather_bucket
 from .plan import plan_ownership
 from .reduce import Averaging, reduce_bucket
 from .update import OwnedShard
@@ -71,7 +71,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
                                                  for group in self.bit16_groups], engine.get_data_types()[1], engine.device)
-        self.buckets = build_buckets(self.params, self.plan.owner, bucket_numel(config, engine._config._param_dict))
+        self.buckets = build_buckets(self.params, self.plan.owner, self.comm.world_size,
+                                     bucket_numel(config, engine._config._param_dict))
         if engine.global_rank == 0:
             logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
                         f"{len(self.buckets)} buckets, elements per rank {list(self.plan.numel_per_rank)}; "
@@ -116,10 +117,9 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
         for bucket in self.buckets:
-            flat = reduce_bucket(bucket, self.comm, self.averaging)
-            if flat is not None:
-                for param, grad in bucket.slices(flat):
-                    self.shard.accumulate(param, grad)
+            mine = reduce_bucket(bucket, self.comm, self.averaging)
+            for param, grad in bucket.views(self.comm.rank, mine):
+                self.shard.accumulate(param, grad)
         for param in self.params:
             param.grad = None
 
@@ -147,7 +147,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.shard.step()
         self.shard.drop_grads()
         for bucket in self.buckets:
-            broadcast_bucket(bucket, self.comm)
+            gather_bucket(bucket, self.comm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model gradients and owned accumulators (always set to None)."""
@@ -204,7 +204,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         for param, master in self.shard.masters.items():
             param.data.copy_(master)
         for bucket in self.buckets:
-            broadcast_bucket(bucket, self.comm)
+            gather_bucket(bucket, self.comm)
 
     def load_state_dict(self, state_dict_list: Any = None, load_optimizer_states: bool = True,
                         load_from_fp32_weights: bool = True, checkpoint_folder: Any = None,

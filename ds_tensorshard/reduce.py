@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .buckets import Bucket
-from .comm import TorchComm
 
 
 @dataclass(frozen=True)
@@ -34,19 +33,18 @@ class Averaging:
         return cls(scale_before=1.0 / predivide, scale_after=predivide / world_size)
 
 
-def reduce_bucket(bucket: Bucket, comm: TorchComm, averaging: Averaging) -> Optional[torch.Tensor]:
-    """One collective for the whole bucket; returns the averaged flat gradient on the owner, else None.
+def reduce_bucket(bucket: Bucket, comm: Any, averaging: Averaging) -> torch.Tensor:
+    """One reduce-scatter for the whole bucket; returns this rank's segment of averaged gradients.
 
     Missing gradients (parameters unused this step) count as zeros.
     """
-    flat = bucket.pack(lambda p: p.grad)
+    starts, total = comm.layout(bucket.counts)
+    flat = bucket.pack(lambda p: p.grad, starts, total)
     if averaging.divide_before != 1.0:
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    comm.reduce_sum(flat, bucket.owner)
-    if comm.rank != bucket.owner:
-        return None
+    mine = comm.reduce_scatter(flat, bucket.counts)
     if averaging.scale_after != 1.0:
-        flat.mul_(averaging.scale_after)
-    return flat
+        mine.mul_(averaging.scale_after)
+    return mine

@@ -1,4 +1,4 @@
-"""Buckets: owner-major, one dtype, bounded size, backward order; one collective per bucket."""
+"""Buckets: owner-major segments, one dtype, bounded size, backward order; one collective per bucket."""
 import deepspeed
 import pytest
 import torch
@@ -14,30 +14,36 @@ def params(*shapes, dtype=torch.float32):
 def test_buckets_are_owner_major_single_dtype_bounded_and_in_backward_order():
     ps = params((10,), (20,), (5,), (30,), (7,)) + params((4,), dtype=torch.bfloat16)
     owner = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 0])}
-    buckets = build_buckets(ps, lambda p: owner[id(p)], bucket_numel=25)
-    assert [b.owner for b in buckets] == sorted(b.owner for b in buckets)
+    buckets = build_buckets(ps, lambda p: owner[id(p)], world_size=2, bucket_numel=40)
     for b in buckets:
-        assert all(owner[id(p)] == b.owner and p.dtype == b.dtype for p in b.params)
-        assert b.numel <= 25 or len(b.params) == 1  # only a tensor larger than a bucket stands alone
-        assert b.numel == sum(p.numel() for p in b.params)
-    flat_order = [p for b in buckets if b.dtype == torch.float32 for p in b.params]
-    assert flat_order == [ps[4], ps[2], ps[0], ps[3], ps[1]]  # reverse registration order within each owner
-    assert sorted(id(p) for b in buckets for p in b.params) == sorted(id(p) for p in ps)
+        for rank, segment in enumerate(b.segments):
+            assert all(owner[id(p)] == rank and p.dtype == b.dtype for p in segment)
+        assert b.numel <= 40 or sum(len(s) for s in b.segments) == 1  # only an oversized tensor stands alone
+        assert b.counts == tuple(sum(p.numel() for p in s) for s in b.segments)
+    fp32 = [b for b in buckets if b.dtype == torch.float32]
+    # backward order: the last-registered tensors fill the first bucket
+    assert [set(map(id, sum(b.segments, ()))) for b in fp32] == [{id(ps[4]), id(ps[3])},
+                                                                 {id(ps[2]), id(ps[1]), id(ps[0])}]
+    assert sorted(id(p) for b in buckets for s in b.segments for p in s) == sorted(id(p) for p in ps)
 
 
-def test_pack_and_slices_roundtrip_with_missing_gradients():
-    ps = params((2, 3), (4,))
+def test_pack_and_views_roundtrip_with_missing_gradients():
+    ps = params((2, 3), (4,), (5,))
     ps[0].grad = torch.arange(6.0).view(2, 3)
-    (bucket,) = build_buckets(ps, lambda p: 0, bucket_numel=100)
-    flat = bucket.pack(lambda p: p.grad)
-    views = dict((id(p), v) for p, v in bucket.slices(flat))
+    ps[2].grad = torch.full((5,), 7.0)
+    owner = {id(ps[0]): 1, id(ps[1]): 1, id(ps[2]): 0}
+    (bucket,) = build_buckets(ps, lambda p: owner[id(p)], world_size=2, bucket_numel=100)
+    assert bucket.counts == (5, 10)
+    flat = bucket.pack(lambda p: p.grad, starts=[0, 12], total=22)  # a gap of padding between segments
+    assert torch.equal(flat[:5], torch.full((5,), 7.0)) and torch.equal(flat[5:12], torch.zeros(7))
+    views = {id(p): v for p, v in bucket.views(1, flat[12:])}
     assert torch.equal(views[id(ps[0])], ps[0].grad)
     assert torch.equal(views[id(ps[1])], torch.zeros(4))
 
 
 @pytest.mark.usefixtures("single_rank_world")
 def test_one_collective_per_bucket_not_per_tensor(monkeypatch):
-    calls = {"reduce": 0, "broadcast": 0}
+    calls = {"reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         original = getattr(ds_tensorshard.comm.dist, name)
 
@@ -50,8 +56,8 @@ def test_one_collective_per_bucket_not_per_tensor(monkeypatch):
               "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert len(optimizer.buckets) == 3
-    calls.update(reduce=0, broadcast=0)  # DeepSpeed broadcasts the model at initialize
+    calls.update(reduce_scatter_tensor=0, all_gather_into_tensor=0)
     loss = engine(torch.randn(2, 8)).sum()
     engine.backward(loss)
     engine.step()
-    assert calls == {"reduce": 3, "broadcast": 3}
+    assert calls == {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 3}
