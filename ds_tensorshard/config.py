@@ -28,8 +28,9 @@ class TensorShardConfig(BaseModel):
     enabled: bool = False
     """Turn tensor-granular sharding on. Off: DeepSpeed runs exactly as stock."""
 
-    comm_backend: Literal["torch"] = "torch"
-    """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU)."""
+    comm_backend: Literal["torch", "mpi"] = "torch"
+    """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU),
+    ``"mpi"`` = mpi4py (uneven Reduce_scatter/Allgatherv, no padding)."""
 
     bucket_numel: Optional[int] = Field(default=None, gt=0)
     """Elements per communication bucket; ``null`` takes ``zero_optimization.reduce_bucket_size``."""

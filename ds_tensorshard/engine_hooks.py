@@ -36,6 +36,9 @@ def _wrap_init(original):
         if config_class is not None:
             self._tensorshard_config = validate_engine_config(config_class._param_dict,
                                                               bound.arguments.get("optimizer"))
+            if self._tensorshard_config is not None and self._tensorshard_config.comm_backend == "mpi":
+                from .mpi_comm import check_mpi_world
+                check_mpi_world()
         original(self, *args, **kwargs)
     return __init__
 

@@ -50,7 +50,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         check_shardable(init_optimizer)
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
-        self.comm = TorchComm(self.dp_process_group)
+        self.comm = _transport(config.comm_backend, self.dp_process_group)
         self.partition_gradients = engine.zero_optimization_stage() == 2
         self.clip_grad = float(engine.gradient_clipping())
         self.dtype = engine.get_data_types()[0]
@@ -218,6 +218,13 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     def refresh_fp32_params(self) -> None:
         self.shard.reload_from_params()
+
+
+def _transport(backend: str, group: Any) -> Any:
+    if backend == "mpi":
+        from .mpi_comm import MpiComm
+        return MpiComm(group)
+    return TorchComm(group)
 
 
 def _as_int(step: Any) -> int:

@@ -1,7 +1,8 @@
 """One rank of an equivalence run: trains TinyGPT under several configs in one process group.
 
 Usage (per rank, with RANK/WORLD_SIZE/MASTER_* set): python equivalence_worker.py OUT CASE [CASE...]
-CASE = DTYPE:MODE:STAGE, e.g. fp32:stock:2 or bf16:ts:1. MODE ``ts`` enables ds_tensorshard.
+CASE = DTYPE:MODE:STAGE, e.g. fp32:stock:2 or bf16:ts:1. MODE ``ts`` enables ds_tensorshard, ``tsmpi``
+with the mpi comm backend.
 Writes OUT/CASE.rankR.pt with the per-micro-step losses, grad norms, final parameters and
 optimizer-state facts.
 """
@@ -42,8 +43,8 @@ def ds_config(dtype: str, mode: str, stage: int, world: int) -> dict:
     if dtype == "fp16":
         # 2**20 overflows the first fp16 steps: they must be skipped, with the scheduler.
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
-    if mode == "ts":
-        config["tensorshard"] = {"enabled": True}
+    if mode in ("ts", "tsmpi"):
+        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch"}
     return config
 
 
@@ -84,7 +85,7 @@ def run_case(case: str, out_dir: str) -> None:
         "grads_after_backward": grads_after_backward,
         "optimizer_class": type(optimizer).__name__,
     }
-    if mode == "ts":
+    if mode in ("ts", "tsmpi"):
         plan = optimizer.plan
         state_tensors = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         result.update({
@@ -101,6 +102,8 @@ def run_case(case: str, out_dir: str) -> None:
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
+    # under mpiexec DeepSpeed discovers ranks through mpi4py and takes the port from here
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     shutdown()

@@ -37,6 +37,7 @@ BAD = [
     ({"tensorshard": {"enabled": True, "bucket_size": 10}}, "unknown key 'tensorshard.bucket_size'"),
     ({"tensorshard": {"enabled": "yes"}}, "'tensorshard.enabled'"),
     ({"tensorshard": {"enabled": True, "comm_backend": "nccl"}}, "'tensorshard.comm_backend'"),
+    ({"tensorshard": {"enabled": True, "comm_backend": "mpi", "bucket_numel": -1}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": {"enabled": True, "bucket_numel": 0}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": {"enabled": True, "bucket_numel": 1.5}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),

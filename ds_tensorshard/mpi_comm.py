@@ -1,0 +1,126 @@
+"""``"comm_backend": "mpi"``: the data path's collectives through mpi4py.
+
+Segments are packed back to back and moved with ``Reduce_scatter`` (with counts) and
+``Allgatherv``, so no padding is sent. CPU tensors are handed to MPI as numpy views (no copy).
+bf16/fp16 travel as raw 16-bit words; their sums run in fp32 inside a user-defined MPI op (MPI has
+no bf16 sum). CUDA tensors go to MPI directly where mpi4py reports a CUDA-aware MPI, and through
+host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from .config import TensorShardConfigError
+
+_HALF = (torch.float16, torch.bfloat16)
+_sum16_ops: dict = {}
+_warned_staging = False
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise TensorShardConfigError("'tensorshard.comm_backend' 'mpi' needs mpi4py: pip install "
+                                     "'ds_tensorshard[mpi]' (mpi4py + mpich) or use comm_backend 'torch'") from err
+    return MPI
+
+
+def check_mpi_world() -> None:
+    """The MPI world must be the torch.distributed world (same processes, same size)."""
+    mpi = _mpi().COMM_WORLD
+    torch_size = dist.get_world_size()
+    if mpi.Get_size() != torch_size or sorted(mpi.allgather(dist.get_rank())) != list(range(torch_size)):
+        raise TensorShardConfigError(
+            f"'tensorshard.comm_backend' 'mpi' needs the MPI world to be the torch.distributed world, but MPI has "
+            f"{mpi.Get_size()} process(es) and torch.distributed {torch_size} (under the local deepspeed launcher or "
+            "torchrun every process is its own MPI singleton). Launch with 'mpiexec -n N python train.py' or "
+            "'deepspeed --hostfile H --launcher mpich|openmpi --force_multi ...', or use comm_backend 'torch'")
+
+
+def _sum16(dtype: torch.dtype):
+    """An MPI op summing raw 16-bit words of ``dtype`` in fp32."""
+    if dtype not in _sum16_ops:
+        def add(inbuf, inoutbuf, datatype) -> None:
+            a = torch.frombuffer(inbuf, dtype=torch.int16).view(dtype)
+            b = torch.frombuffer(inoutbuf, dtype=torch.int16).view(dtype)
+            b.copy_((a.float() + b.float()).to(dtype))
+        _sum16_ops[dtype] = _mpi().Op.Create(add, commute=True)
+    return _sum16_ops[dtype]
+
+
+def _cuda_aware() -> bool:
+    MPI = _mpi()
+    query = getattr(MPI, "Query_cuda_support", None)
+    return bool(query()) if query is not None else False
+
+
+class MpiComm:
+    """mpi4py collectives over the MPI communicator whose ranks are the data-parallel group's."""
+
+    def __init__(self, group) -> None:
+        MPI = _mpi()
+        check_mpi_world()
+        self.rank = dist.get_rank(group=group)
+        self.world_size = dist.get_world_size(group=group)
+        members = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.mpi = MPI.COMM_WORLD.Split(color=min(members), key=self.rank)
+        assert self.mpi.Get_rank() == self.rank and self.mpi.Get_size() == self.world_size
+        self.cuda_aware = _cuda_aware()
+
+    # -- buffers ------------------------------------------------------------------------------
+    def _spec(self, tensor: torch.Tensor, counts=None):
+        """An mpi4py buffer spec for a contiguous tensor (numpy view on CPU, the tensor itself on CUDA)."""
+        MPI = _mpi()
+        if tensor.dtype in _HALF:
+            data, mpi_type = tensor.view(torch.int16), MPI.SHORT
+        else:
+            data, mpi_type = tensor, {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[tensor.dtype]
+        buf = data if data.is_cuda else data.numpy()
+        return [buf, mpi_type] if counts is None else [buf, counts, mpi_type]
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        global _warned_staging
+        if tensor.is_cuda and not self.cuda_aware:
+            if not _warned_staging:
+                logger.warning("ds_tensorshard: mpi4py reports an MPI without CUDA support; "
+                               "staging CUDA tensors through host memory")
+                _warned_staging = True
+            return tensor.cpu()
+        return tensor
+
+    # -- the transport interface ------------------------------------------------------------------
+    def layout(self, counts: Sequence[int]) -> tuple[list[int], int]:
+        """Segments back to back: no padding."""
+        starts, total = [], 0
+        for count in counts:
+            starts.append(total)
+            total += count
+        return starts, total
+
+    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        MPI = _mpi()
+        device = flat.device
+        send = self._host(flat)
+        out = torch.empty(counts[self.rank], dtype=send.dtype, device=send.device)
+        op = _sum16(send.dtype) if send.dtype in _HALF else MPI.SUM
+        self.mpi.Reduce_scatter(self._spec(send), self._spec(out), recvcounts=list(counts), op=op)
+        return out.to(device)
+
+    def all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        device = segment.device
+        send = self._host(segment.contiguous())
+        starts, total = self.layout(counts)
+        flat = torch.empty(total, dtype=send.dtype, device=send.device)
+        self.mpi.Allgatherv(self._spec(send), self._spec(flat, (list(counts), starts)))
+        return flat.to(device)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        host = self._host(tensor)
+        self.mpi.Allreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM)
+        if host is not tensor:
+            tensor.copy_(host)
