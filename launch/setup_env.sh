@@ -4,7 +4,7 @@
 VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 stamp="$VENV/.ds_tensorshard-installed"
-want="$(cat setup.cfg pyproject.toml | sha1sum | cut -d' ' -f1) $TORCH_SPEC"
+want="$(cat setup.cfg pyproject.toml launch/setup_env.sh | sha1sum | cut -d" " -f1) $TORCH_SPEC"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "creating $VENV"
     python3 -m venv "$VENV"
@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "installing $TORCH_SPEC, deepspeed and ds_tensorshard into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
-    "$VENV/bin/pip" install -q -e ".[test]"
+    "$VENV/bin/pip" install -q -e ".[test,mpi]"
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

@@ -15,11 +15,14 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--one-tensor", action="store_true", help="a model of a single tensor: other ranks own nothing")
+parser.add_argument("--comm-backend", default="torch")
+parser.add_argument("--port", type=int, default=29500, help="rendezvous port when ranks are discovered through MPI")
 args = parser.parse_args()
 
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+          "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "comm_backend": args.comm_backend}}
+deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
 torch.manual_seed(0)
 if args.one_tensor:
     model = torch.nn.Linear(8, 1, bias=False)
@@ -34,6 +37,7 @@ for step in range(args.steps):
     engine.step()
 # one short write per line, so the launcher's merged output never interleaves two ranks' lines
 line = "RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.local_rank,
+                              "transport": type(getattr(optimizer, "comm", None)).__name__,
                               "optimizer": type(optimizer).__name__,
                               "params_digest": hashlib.sha1(b"".join(p.detach().numpy().tobytes()
                                                                      for p in engine.module.parameters())).hexdigest(),

@@ -1,0 +1,58 @@
+"""Time one reduce-scatter + all-gather of N fp32 elements with each comm backend (run under mpiexec).
+
+    mpiexec -n 2 python -m ds_tensorshard.examples.comm_bench --numel 25000000 100000000
+
+Both transports move the same flat buffer split into equal segments, as the data path does; rank
+0 prints one JSON line per (backend, size) with the median of ``--repeats`` timings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+
+from ds_tensorshard.comm import TorchComm
+from ds_tensorshard.mpi_comm import MpiComm
+
+
+def time_once(comm, flat: torch.Tensor, counts: list[int]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    mine = comm.reduce_scatter(flat, counts)
+    comm.all_gather(mine, counts)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 100_000_000])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--port", type=int, default=29500)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    transports = {"torch": TorchComm(group), "mpi": MpiComm(group)}
+    n = dist.get_world_size()
+    for numel in args.numel:
+        counts = [numel // n + (1 if r < numel % n else 0) for r in range(n)]
+        for name, comm in transports.items():
+            _, total = comm.layout(counts)
+            flat = torch.ones(total)
+            times = [time_once(comm, flat, counts) for _ in range(args.repeats)]
+            if dist.get_rank() == 0:
+                print("COMM " + json.dumps({"backend": name, "ranks": n, "numel": numel,
+                                            "median_s": round(statistics.median(times), 4)}), flush=True)
+            del flat
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

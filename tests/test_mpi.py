@@ -1,0 +1,111 @@
+"""The mpi comm backend and MPI launches (pip's mpich): mpiexec, mpiexec -f HOSTFILE, deepspeed --launcher mpich,
+python -m ds_tensorshard under mpiexec, and the refusal when MPI and torch.distributed worlds differ."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ranks import TIMEOUT_S, free_port, run_ranks
+from test_equivalence import TOLERANCE
+
+HERE = os.path.dirname(__file__)
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec")
+PLAIN = os.path.join(HERE, "plain_train.py")
+CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m, s in
+         (("stock", 2), ("ts", 2), ("tsmpi", 2), ("stock", 1), ("tsmpi", 1))]
+
+
+def mpi_env(port: int) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+    env.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=f"{BIN}:{env['PATH']}")
+    return env
+
+
+def mpiexec(args, n, extra=()):
+    port = free_port()
+    proc = subprocess.run([MPIEXEC, *extra, "-n", str(n), sys.executable, *args], env=mpi_env(port),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def results(output: str) -> list[dict]:
+    return sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),
+                  key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def mpi_world(request, tmp_path_factory):
+    n = request.param
+    out = tmp_path_factory.mktemp(f"mpi{n}")
+    mpiexec([os.path.join(HERE, "equivalence_worker.py"), str(out), *CASES], n)
+    return n, lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
+
+def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
+    n, load = mpi_world
+    for dtype in ("fp32", "bf16"):
+        tol = TOLERANCE[dtype]
+        for mpi_case, reference in [(f"{dtype}:tsmpi:2", f"{dtype}:stock:2"), (f"{dtype}:tsmpi:2", f"{dtype}:ts:2"),
+                                    (f"{dtype}:tsmpi:1", f"{dtype}:stock:1")]:
+            for rank in range(n):
+                ours, ref = load(mpi_case, rank), load(reference, rank)
+                assert ours["optimizer_class"] == "TensorShardOptimizer"
+                torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=0,
+                                           atol=tol["loss"], msg=lambda m: f"{mpi_case} vs {reference}: {m}")
+                for name, value in ref["params"].items():
+                    torch.testing.assert_close(ours["params"][name], value, rtol=tol["rtol"], atol=tol["atol"],
+                                               msg=lambda m: f"{mpi_case} vs {reference} {name}: {m}")
+                assert ours["state_numel"] == 2 * ours["numel_per_rank"][rank]
+
+
+def test_mpiexec_runs_unmodified_script_through_the_module_runner():
+    found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi", "--port", str(free_port())], 2))
+    assert [(r["rank"], r["optimizer"], r["transport"]) for r in found] == [(0, "TensorShardOptimizer", "MpiComm"),
+                                                                           (1, "TensorShardOptimizer", "MpiComm")]
+    assert found[0]["params_digest"] == found[1]["params_digest"]
+
+
+def test_mpiexec_with_hostfile_and_torch_backend(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:3\n")
+    found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--port", str(free_port())], 3, ["-f", str(hostfile)]))
+    assert [(r["rank"], r["transport"]) for r in found] == [(0, "TorchComm"), (1, "TorchComm"), (2, "TorchComm")]
+
+
+def test_deepspeed_launcher_mpich_with_hostfile(tmp_path):
+    # DeepSpeed 0.19.8's mpich runner breaks on --module (it passes -m to its own helper script), so the
+    # runner is given ds_tensorshard/__main__.py as the script, as launch/deepspeed_mpi.sh does
+    import ds_tensorshard.__main__ as runner
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = [os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--launcher", "mpich", "--force_multi",
+           "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           runner.__file__, PLAIN, "--comm-backend", "mpi"]
+    proc = subprocess.run(cmd, env=mpi_env(free_port()), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    found = results(proc.stdout)
+    assert [(r["rank"], r["transport"]) for r in found] == [(0, "MpiComm"), (1, "MpiComm")]
+
+
+def test_mpi_backend_under_a_non_mpi_launcher_is_refused_with_the_launcher_to_use():
+    outputs = run_ranks(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi"], 2, check=False)
+    for out in outputs:
+        assert "needs the MPI world to be the torch.distributed world" in out, out[-3000:]
+        assert "mpiexec -n N python train.py" in out
+        assert "RESULT" not in out
+
+
+def test_comm_bench_reports_both_backends():
+    out = mpiexec(["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1000", "--repeats", "1",
+                   "--port", str(free_port())], 2)
+    rows = [json.loads(line[len("COMM "):]) for line in out.splitlines() if line.startswith("COMM ")]
+    assert [(r["backend"], r["ranks"], r["numel"]) for r in rows] == [("torch", 2, 1000), ("mpi", 2, 1000)]
+    assert all(r["median_s"] > 0 for r in rows)
