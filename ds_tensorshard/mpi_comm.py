@@ -1,7 +1,7 @@
 """``"comm_backend": "mpi"``: the data path's collectives through mpi4py.
 
 Segments are packed back to back and moved with ``Reduce_scatter`` (with counts) and
-``Allgatherv``, so no padding is sent. CPU tensors are handed to MPI as numpy views (no copy).
+``Allgatherv`` (their non-blocking forms, so communication overlaps computation), so no padding is sent. CPU tensors are handed to MPI as numpy views (no copy).
 bf16/fp16 travel as raw 16-bit words; their sums run in fp32 inside a user-defined MPI op (MPI has
 no bf16 sum). CUDA tensors go to MPI directly where mpi4py reports a CUDA-aware MPI, and through
 host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
@@ -14,6 +14,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from .comm import Pending
 from .config import TensorShardConfigError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -102,22 +103,28 @@ class MpiComm:
             total += count
         return starts, total
 
-    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def start_reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> Pending:
         MPI = _mpi()
         device = flat.device
         send = self._host(flat)
         out = torch.empty(counts[self.rank], dtype=send.dtype, device=send.device)
         op = _sum16(send.dtype) if send.dtype in _HALF else MPI.SUM
-        self.mpi.Reduce_scatter(self._spec(send), self._spec(out), recvcounts=list(counts), op=op)
-        return out.to(device)
+        request = self.mpi.Ireduce_scatter(self._spec(send), self._spec(out), recvcounts=list(counts), op=op)
+        return Pending(lambda: (request.Wait(), out.to(device))[1], send, out)
 
-    def all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def start_all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> Pending:
         device = segment.device
         send = self._host(segment.contiguous())
         starts, total = self.layout(counts)
         flat = torch.empty(total, dtype=send.dtype, device=send.device)
-        self.mpi.Allgatherv(self._spec(send), self._spec(flat, (list(counts), starts)))
-        return flat.to(device)
+        request = self.mpi.Iallgatherv(self._spec(send), self._spec(flat, (list(counts), starts)))
+        return Pending(lambda: (request.Wait(), flat.to(device))[1], send, flat)
+
+    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        return self.start_reduce_scatter(flat, counts).wait()
+
+    def all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        return self.start_all_gather(segment, counts).wait()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         host = self._host(tensor)

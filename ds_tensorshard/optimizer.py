@@ -25,14 +25,14 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed.utils import logger
 
-from .buckets import build_buckets
+from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
 from .checkpoint_sources import FORMAT_KEY, FORMAT_VERSION, CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
-from .gather import gather_bucket
+from .gather import gather_buckets
 from .plan import plan_ownership
-from .reduce import Averaging, reduce_bucket
+from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
 
 
@@ -73,6 +73,9 @@ class TensorShardOptimizer(ZeROOptimizer):
                                                  for group in self.bit16_groups], engine.get_data_types()[1], engine.device)
         self.buckets = build_buckets(self.params, self.plan.owner, self.comm.world_size,
                                      bucket_numel(config, engine._config._param_dict))
+        self.reducer = OverlappedReducer(self.buckets, self.comm, self.averaging, self._deliver)
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
         if engine.global_rank == 0:
             logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
                         f"{len(self.buckets)} buckets, elements per rank {list(self.plan.numel_per_rank)}; "
@@ -116,12 +119,18 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
-        for bucket in self.buckets:
-            mine = reduce_bucket(bucket, self.comm, self.averaging)
-            for param, grad in bucket.views(self.comm.rank, mine):
-                self.shard.accumulate(param, grad)
-        for param in self.params:
-            param.grad = None
+        self.reducer.finish()
+
+    @torch.no_grad()
+    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: in a backward that reduces (stage 2: every one; stage 1: the
+        boundary's), hand the gradient to the reducer, which starts complete buckets at once."""
+        if self.partition_gradients or self.is_gradient_accumulation_boundary():
+            self.reducer.gradient_ready(param)
+
+    def _deliver(self, bucket: Bucket, segment: torch.Tensor) -> None:
+        for param, grad in bucket.views(self.comm.rank, segment):
+            self.shard.accumulate(param, grad)
 
     # -- update and gather ----------------------------------------------------------------------
     @torch.no_grad()
@@ -146,8 +155,7 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.shard.scale_grads(1.0 / combined_scale)
         self.shard.step()
         self.shard.drop_grads()
-        for bucket in self.buckets:
-            gather_bucket(bucket, self.comm)
+        gather_buckets(self.buckets, self.comm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model gradients and owned accumulators (always set to None)."""
@@ -203,8 +211,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         """Write the masters into the model's tensors on every rank (after a universal-checkpoint load)."""
         for param, master in self.shard.masters.items():
             param.data.copy_(master)
-        for bucket in self.buckets:
-            gather_bucket(bucket, self.comm)
+        gather_buckets(self.buckets, self.comm)
 
     def load_state_dict(self, state_dict_list: Any = None, load_optimizer_states: bool = True,
                         load_from_fp32_weights: bool = True, checkpoint_folder: Any = None,

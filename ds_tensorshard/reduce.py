@@ -1,12 +1,14 @@
 """Reduce: the mean of each tensor's gradient, summed over ranks onto its owner (claims 2 and 4)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .buckets import Bucket
+from .comm import Pending
 
 
 @dataclass(frozen=True)
@@ -33,18 +35,73 @@ class Averaging:
         return cls(scale_before=1.0 / predivide, scale_after=predivide / world_size)
 
 
-def reduce_bucket(bucket: Bucket, comm: Any, averaging: Averaging) -> torch.Tensor:
-    """One reduce-scatter for the whole bucket; returns this rank's segment of averaged gradients.
+IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive
 
-    Missing gradients (parameters unused this step) count as zeros.
+
+def start_reduce(bucket: Bucket, comm: Any, averaging: Averaging) -> Pending:
+    """Pack the bucket's gradients (missing ones count as zeros), release them, and start one reduce-scatter.
+
+    The result is this rank's segment of averaged gradients.
     """
     starts, total = comm.layout(bucket.counts)
     flat = bucket.pack(lambda p: p.grad, starts, total)
+    for segment in bucket.segments:
+        for param in segment:
+            param.grad = None
     if averaging.divide_before != 1.0:
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    mine = comm.reduce_scatter(flat, bucket.counts)
-    if averaging.scale_after != 1.0:
-        mine.mul_(averaging.scale_after)
-    return mine
+    pending = comm.start_reduce_scatter(flat, bucket.counts)
+
+    def finish() -> torch.Tensor:
+        mine = pending.wait()
+        if averaging.scale_after != 1.0:
+            mine.mul_(averaging.scale_after)
+        return mine
+    return Pending(finish)
+
+
+class OverlappedReducer:
+    """Starts each bucket's reduction from gradient hooks as soon as backward has produced all of its
+    gradients, in bucket order (the same on every rank), with at most ``IN_FLIGHT`` buckets under way.
+
+    ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket.
+    """
+
+    def __init__(self, buckets: list[Bucket], comm: Any, averaging: Averaging,
+                 deliver: Callable[[Bucket, torch.Tensor], None]) -> None:
+        self.buckets, self.comm, self.averaging, self.deliver = buckets, comm, averaging, deliver
+        self.index = {id(p): i for i, b in enumerate(buckets) for segment in b.segments for p in segment}
+        self.sizes = [sum(len(segment) for segment in b.segments) for b in buckets]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.started = 0
+        self.in_flight: deque[tuple[Bucket, Pending]] = deque()
+
+    def gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient is final for this backward: start every bucket that is now complete."""
+        self.ready[self.index[id(param)]] += 1
+        while self.started < len(self.buckets) and self.ready[self.started] == self.sizes[self.started]:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        bucket = self.buckets[self.started]
+        self.started += 1
+        self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging)))
+        while len(self.in_flight) > IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        bucket, pending = self.in_flight.popleft()
+        self.deliver(bucket, pending.wait())
+
+    def finish(self) -> None:
+        """After backward: start what hooks did not (buckets with unused parameters), wait for everything."""
+        while self.started < len(self.buckets):
+            self._start_next()
+        while self.in_flight:
+            self._finish_oldest()
+        self._reset()

@@ -61,3 +61,18 @@ def test_one_collective_per_bucket_not_per_tensor(monkeypatch):
     engine.backward(loss)
     engine.step()
     assert calls == {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 3}
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_reduction_starts_from_gradient_hooks_while_backward_runs():
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seen = []
+    x = torch.randn(2, 8, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(optimizer.reducer.started))  # runs at the very end of backward
+    engine.backward(engine(x).sum())
+    assert seen == [2]  # the buckets of the last layers were already under way; the first one needs layer 0's grads
+    assert optimizer.reducer.started == 0 and not optimizer.reducer.in_flight  # all finished and reset
+    assert all(p.grad is None for p in model.parameters())
