@@ -1,6 +1,7 @@
 """Update: fp32 master copies, reduced gradients and the inner Adam, for owned tensors only (claim 3).
 
-Masters are contiguous fp32 clones (CPU FusedAdam silently skips non-contiguous tensors). Each
+Masters are contiguous fp32 tensors (CPU FusedAdam silently skips non-contiguous ones): an fp32
+model's own contiguous tensor, else a clone. Each
 param group of the inner optimizer keeps its dict (hyper-parameters, scheduler links) and gets
 only this rank's masters as ``params``, so Adam state is created for owned tensors alone.
 """
@@ -28,8 +29,10 @@ class OwnedShard:
         for group, owned in zip(optimizer.param_groups, owned_by_group):
             masters = []
             for param in owned:
-                master = param.detach().to(dtype=torch.float32, copy=True).contiguous()
-                master.requires_grad_(False)
+                if param.dtype == torch.float32 and param.is_contiguous():
+                    master = param.detach()  # an fp32 model's own tensor serves as the master: no second copy
+                else:
+                    master = param.detach().to(dtype=torch.float32, copy=True).contiguous()
                 self.masters[param] = master
                 masters.append(master)
             group["params"] = masters
@@ -77,7 +80,8 @@ class OwnedShard:
         self.optimizer.step()
         self._align_step_counts()
         for param, master in self.masters.items():
-            param.data.copy_(master)
+            if master.data_ptr() != param.data_ptr():
+                param.data.copy_(master)
 
     def _align_step_counts(self) -> None:
         """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
@@ -98,5 +102,6 @@ class OwnedShard:
     def reload_from_params(self) -> None:
         """Refresh masters from the (possibly newly loaded) model tensors."""
         for param, master in self.masters.items():
-            master.copy_(param.detach())
+            if master.data_ptr() != param.data_ptr():
+                master.copy_(param.detach())
 

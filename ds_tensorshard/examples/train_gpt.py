@@ -19,12 +19,15 @@ import ds_tensorshard
 from ds_tensorshard.examples.gpt import PRESETS, build, synthetic_batch
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state this rank holds: fp32 masters plus Adam moments."""
+def optimizer_state_bytes(optimizer, model) -> int:
+    """Bytes of optimizer state this rank holds beyond the model: fp32 masters (unless they are the model's
+    own fp32 tensors, as ds_tensorshard arranges) plus Adam moments."""
     if isinstance(optimizer, ds_tensorshard.TensorShardOptimizer):
         masters = [m for group in optimizer.param_groups for m in group["params"]]
     else:  # stock ZeRO-1/2: one flat fp32 partition per param group
         masters = list(optimizer.single_partition_of_fp32_groups)
+    model_storage = {p.data_ptr() for p in model.parameters()}
+    masters = [m for m in masters if m.data_ptr() not in model_storage]
     moments = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     return sum(t.numel() * t.element_size() for t in masters + moments)
 
@@ -54,7 +57,7 @@ def train(config: dict, steps: int, preset: str, show_progress: bool) -> tuple[l
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if bar is not None:
         bar.close()
-    return losses, optimizer_state_bytes(optimizer)
+    return losses, optimizer_state_bytes(optimizer, engine.module)
 
 
 def gathered(value: int) -> list[int]:
@@ -84,7 +87,7 @@ def main() -> None:
     ts_all, stock_all = gathered(ts_bytes), gathered(stock_bytes)
     if rank == 0:
         print(f"\nloss: start {losses[0]:.4f} -> end {losses[-1]:.4f} over {len(losses)} steps")
-        print("optimizer state per rank (fp32 masters + Adam moments):")
+        print("optimizer state per rank beyond the model (fp32 masters + Adam moments):")
         for r, (ts, st) in enumerate(zip(ts_all, stock_all)):
             print(f"  rank {r}: ds_tensorshard {ts / 2**20:8.3f} MiB   stock ZeRO-2 {st / 2**20:8.3f} MiB")
         print(f"  total : ds_tensorshard {sum(ts_all) / 2**20:8.3f} MiB   stock ZeRO-2 {sum(stock_all) / 2**20:8.3f} MiB")
