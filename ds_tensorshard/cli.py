@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage recorded with --to zero")
     conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
     conv.set_defaults(func=cmd_convert_checkpoint)
+
+    from .bench import add_arguments, run
+    bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
+    add_arguments(bench)
+    bench.set_defaults(func=lambda args: run(args) and 0)
     return parser
 
 

@@ -1,0 +1,155 @@
+"""``ds-tensorshard bench``: stock DeepSpeed stage 0 / ZeRO-1 / ZeRO-2, PyTorch DDP + ZeroRedundancyOptimizer
+and ds_tensorshard (torch and mpi backends), side by side on the same model, data and ranks.
+
+Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.bench_worker` (a fresh set of
+processes, so peak RSS is its own); this module launches them one after another, then writes
+``results.json``, ``results.md`` (table + ratio matrix) and ``results.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from typing import Any, Sequence
+
+from .bench_worker import CONFIGS
+
+LABELS = {"stage0": "stock stage 0", "zero1": "stock ZeRO-1", "zero2": "stock ZeRO-2",
+          "ddp_zero": "DDP + ZeroRedundancyOptimizer", "ts_torch": "ds_tensorshard (torch)",
+          "ts_mpi": "ds_tensorshard (mpi)"}
+PHASES = ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict]:
+    mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        raise SystemExit("ds-tensorshard bench launches its ranks with mpiexec: pip install 'ds_tensorshard[mpi]'")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench_worker", config, raw_dir,
+           "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq",
+           str(args.seq), "--global-batch", str(args.global_batch), "--dtype", args.dtype, "--steps",
+           str(args.steps), "--warmup", str(args.warmup), "--bucket-numel", str(args.bucket_numel),
+           "--port", str(_free_port())]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"configuration {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    ranks = []
+    for rank in range(args.ranks):
+        with open(os.path.join(raw_dir, f"{config}.rank{rank}.json")) as f:
+            ranks.append(json.load(f))
+    return ranks
+
+
+def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
+    """Per step, the slowest rank counts; then medians over steps."""
+    steps = list(zip(*(r["steps"] for r in ranks)))
+    median = lambda key: statistics.median(max(rank_row[key] for rank_row in step) for step in steps)  # noqa: E731
+    return {"config": config, "label": LABELS[config], "world_size": ranks[0]["world_size"],
+            "numel": ranks[0]["numel"], "step_s": median("step_s"), **{k: median(k) for k in PHASES},
+            "sent_bytes_per_rank": median("sent_bytes"),
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+            "optimizer_state_bytes_fullest": max(r["optimizer_state_bytes"] for r in ranks),
+            "optimizer_state_bytes_total": sum(r["optimizer_state_bytes"] for r in ranks)}
+
+
+def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    lines = [f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, "
+             f"{results[0]['numel'] / 1e6:.1f}M parameters; global batch {args.global_batch} x {args.seq} tokens; "
+             f"{args.ranks} ranks; {args.dtype}; median of {args.steps} steps after {args.warmup} warm-up. "
+             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.", "",
+             "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
+             "opt. state fullest rank MiB | sent/rank/step MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
+                     f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
+                     f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
+                     f"{mib(r['sent_bytes_per_rank'])} |")
+    lines += ["", "Step-time ratio (row / column):", "",
+              "| | " + " | ".join(r["label"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
+    for row in results:
+        lines.append(f"| {row['label']} | " + " | ".join(f"{row['step_s'] / col['step_s']:.2f}" for col in results)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [r["label"].replace(" (", "\n(").replace(" + ", "\n+ ") for r in results]
+    bottom = [0.0] * len(results)
+    for phase in PHASES:
+        values = [r[phase] for r in results]
+        left.bar(labels, values, bottom=bottom, label=phase[:-2].replace("_", "+"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    left.set_ylabel("median step time (s)")
+    left.legend()
+    left.tick_params(axis="x", labelsize=7)
+    right.bar(labels, [max(r["peak_rss_bytes"]) / 2**30 for r in results], color="gray")
+    right.set_ylabel("peak RSS, fullest rank (GiB)")
+    right.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--global-batch", type=int, default=2)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--bucket-numel", type=int, default=25_000_000, help="bucket size for every configuration")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
+    parser.add_argument("--out", default="bench_results")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    raw_dir = os.path.join(args.out, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    from tqdm import tqdm
+    results = []
+    with tqdm(total=len(args.configs), desc="bench", unit="config") as bar:
+        for config in args.configs:
+            bar.set_postfix_str(LABELS[config])
+            results.append(summarize(config, run_config(config, args, raw_dir)))
+            bar.update(1)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, f, indent=2)
+    table = markdown(results, args)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(results, os.path.join(args.out, "results.png"))
+    print(table)
+    print(f"wrote {args.out}/results.json, results.md, results.png")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ds-tensorshard bench", description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""One rank of one benchmark configuration (started by ``ds-tensorshard bench`` under mpiexec).
+
+Trains the GPT of :mod:`.examples.gpt` for ``--steps`` timed steps after ``--warmup`` steps and
+writes ``OUT/CONFIG.rankR.json``: per-step wall times split into forward+backward, reduce (time
+spent after backward finishing gradient reduction; reduction overlapped with backward counts in
+forward+backward), optimizer and gather, plus peak RSS, optimizer-state bytes and the bytes this
+rank sent through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and
+all-gather (n-1)/n of the full buffer, broadcast/reduce (n-1)/n).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import os
+import resource
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as tdist
+
+CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
+_SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
+_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
+            "all_gather_into_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+            "reduce": lambda n: (n - 1) / n}
+_FULL_BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+                "reduce_scatter_tensor": "input", "all_gather_into_tensor": "output_tensor"}
+
+
+def _count_torch_collectives() -> None:
+    """Wrap torch.distributed collectives (before DeepSpeed binds them) to add up bytes sent."""
+    for name, factor in _FACTORS.items():
+        original = getattr(tdist, name)
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def counted(*args, _original=original, _name=name, _factor=factor, _signature=signature, **kwargs):
+            bound = _signature.bind(*args, **kwargs).arguments
+            n = tdist.get_world_size(bound.get("group")) if tdist.is_initialized() else 1
+            tensor = bound[_FULL_BUFFER[_name]]
+            _SENT[_name] += _factor(n) * tensor.numel() * tensor.element_size()
+            return _original(*args, **kwargs)
+        setattr(tdist, name, counted)
+
+
+def _count_mpi_collectives() -> None:
+    from . import mpi_comm
+    for name, kind in (("start_reduce_scatter", "reduce_scatter"), ("start_all_gather", "all_gather"),
+                       ("all_reduce_sum", "all_reduce")):
+        original = getattr(mpi_comm.MpiComm, name)
+
+        @functools.wraps(original)
+        def counted(self, tensor, *args, _original=original, _kind=kind):
+            n = self.world_size
+            total = sum(args[0]) if args else tensor.numel()  # counts for the segment-based calls
+            factor = 2 * (n - 1) / n if _kind == "all_reduce" else (n - 1) / n
+            _SENT["mpi_" + _kind] += factor * total * tensor.element_size()
+            return _original(self, tensor, *args)
+        setattr(mpi_comm.MpiComm, name, counted)
+
+
+class Clock:
+    """Adds up wall time per phase, for wrapped functions and explicit blocks."""
+
+    def __init__(self) -> None:
+        self.spent = defaultdict(float)
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent[phase] += time.perf_counter() - start
+        setattr(owner, name, timed)
+
+
+def ds_config(name: str, micro: int, dtype: str, bucket: int) -> dict:
+    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "ts_torch": 2, "ts_mpi": 2}[name]
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+              "steps_per_print": 10**9}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if name.startswith("ts_"):
+        config["tensorshard"] = {"enabled": True, "comm_backend": name[3:]}
+    return config
+
+
+def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
+    """Optimizer state held beyond the model's own tensors."""
+    model_storage = {p.data_ptr() for p in model.parameters()}
+    if name == "ddp_zero":
+        tensors = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    else:
+        inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        if name.startswith("ts_"):
+            tensors += [m for g in optimizer.param_groups for m in g["params"]]
+        elif name in ("zero1", "zero2"):
+            tensors += list(optimizer.single_partition_of_fp32_groups)
+    return sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in model_storage)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", choices=CONFIGS)
+    parser.add_argument("out")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--global-batch", type=int, default=2)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--bucket-numel", type=int, default=25_000_000)
+    parser.add_argument("--port", type=int, default=29500)
+    args = parser.parse_args()
+
+    _count_torch_collectives()
+    import deepspeed
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    import ds_tensorshard
+    from ds_tensorshard import optimizer as ts_optimizer
+    from ds_tensorshard.examples.gpt import GPT, synthetic_batch
+    _count_mpi_collectives()
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    if args.global_batch % world:
+        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
+    micro = args.global_batch // world
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, seq=args.seq, width=args.width, layers=args.layers, heads=max(1, args.width // 64))
+    if args.dtype == "bf16" and args.config == "ddp_zero":
+        model = model.to(torch.bfloat16)
+    clock = Clock()
+    if args.config == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        engine = DistributedDataParallel(model)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                            weight_decay=0.01)
+        clock.wrap(optimizer, "_sync_params", "gather")
+
+        def backward(loss):
+            loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
+            _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size()
+                                                                     for p in model.parameters())
+
+        def step():
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=ds_config(args.config, micro, args.dtype,
+                                                                        args.bucket_numel))
+        clock.wrap(engine, "allreduce_gradients", "reduce")
+        clock.wrap(ts_optimizer, "gather_buckets", "gather")
+        clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
+        backward, step = engine.backward, engine.step
+    assert args.config != "ts_torch" or isinstance(optimizer, ds_tensorshard.TensorShardOptimizer)
+    generator = torch.Generator().manual_seed(100 + rank)
+    rows = []
+    for index in range(args.warmup + args.steps):
+        tokens = synthetic_batch(micro, args.seq, args.vocab, generator)
+        clock.spent.clear()
+        sent_before = sum(_SENT.values())
+        tdist.barrier()
+        start = time.perf_counter()
+        loss = engine(tokens)
+        backward(loss)
+        after_backward = time.perf_counter()
+        step()
+        end = time.perf_counter()
+        if index >= args.warmup:
+            reduce, gather = clock.spent["reduce"], clock.spent["gather"]
+            rows.append({"step_s": end - start, "fwd_bwd_s": after_backward - start - reduce, "reduce_s": reduce,
+                         "optimizer_s": end - after_backward - gather, "gather_s": gather,
+                         "sent_bytes": sum(_SENT.values()) - sent_before, "loss": loss.item()})
+    result = {"config": args.config, "rank": rank, "world_size": world, "steps": rows,
+              "numel": sum(p.numel() for p in model.parameters()),
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "optimizer_state_bytes": state_bytes(args.config, optimizer, model)}
+    with open(os.path.join(args.out, f"{args.config}.rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
