@@ -41,8 +41,9 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
     cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench_worker", config, raw_dir,
            "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq",
            str(args.seq), "--global-batch", str(args.global_batch), "--dtype", args.dtype, "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--bucket-numel", str(args.bucket_numel),
-           "--port", str(_free_port())]
+           str(args.steps), "--warmup", str(args.warmup), "--port", str(_free_port())]
+    if args.bucket_numel is not None:
+        cmd += ["--bucket-numel", str(args.bucket_numel)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"configuration {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -119,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int, default=25_000_000, help="bucket size for every configuration")
+    parser.add_argument("--bucket-numel", type=int,
+                        help="bucket size for every configuration (default: each keeps its own)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
 

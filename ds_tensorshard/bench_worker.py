@@ -81,12 +81,13 @@ class Clock:
         setattr(owner, name, timed)
 
 
-def ds_config(name: str, micro: int, dtype: str, bucket: int) -> dict:
+def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
     stage = {"stage0": 0, "zero1": 1, "zero2": 2, "ts_torch": 2, "ts_mpi": 2}[name]
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
-              "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if bucket is not None:  # else every configuration keeps its own defaults
+        config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if name.startswith("ts_"):
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int, default=25_000_000)
+    parser.add_argument("--bucket-numel", type=int)
     parser.add_argument("--port", type=int, default=29500)
     args = parser.parse_args()
 

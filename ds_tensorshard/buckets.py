@@ -1,14 +1,15 @@
 """Buckets: whole tensors of one dtype, laid out owner-major, moved by a single collective.
 
-Tensors are taken in backward order (reverse registration order) and cut, per dtype, into buckets
-of about ``bucket_numel`` elements (a larger tensor gets a bucket of its own). Inside a bucket the
-tensors are grouped by owner: segment ``r`` holds the tensors rank ``r`` owns, so one
+Per dtype, each rank's tensors are taken in backward order (reverse registration order), and each
+bucket takes about ``bucket_numel / world_size`` elements from every rank's queue. Inside a bucket
+the tensors are grouped by owner: segment ``r`` holds the tensors rank ``r`` owns, so one
 reduce-scatter leaves every owner its tensors' sums and one all-gather returns the updated
 tensors. Where each segment starts in the flat buffer is the transport's choice (see
 :mod:`.comm`); a bucket is packed into a flat buffer only while it is in flight.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -60,19 +61,27 @@ class Bucket:
 
 def build_buckets(params: Sequence[torch.nn.Parameter], owner_of: Callable[[torch.nn.Parameter], int],
                   world_size: int, bucket_numel: int) -> list[Bucket]:
-    """Cut ``params`` (given in registration order) into owner-major buckets, in backward order."""
-    by_dtype: dict[torch.dtype, list[list[torch.nn.Parameter]]] = {}
-    filled: dict[torch.dtype, int] = {}
+    """Cut ``params`` (given in registration order) into owner-major buckets with balanced segments.
+
+    Per dtype, each rank's tensors form a queue in backward order; every bucket takes from the head
+    of each queue up to ``bucket_numel / world_size`` elements (more only for a single tensor that
+    is larger), so segments are about equal (little padding for equal-size collectives) and every
+    bucket holds gradients that backward produces at about the same time.
+    """
+    queues: dict[torch.dtype, list[deque]] = {}
     for param in reversed(params):
-        runs = by_dtype.setdefault(param.dtype, [[]])
-        if runs[-1] and filled[param.dtype] + param.numel() > bucket_numel:
-            runs.append([])
-            filled[param.dtype] = 0
-        runs[-1].append(param)
-        filled[param.dtype] = filled.get(param.dtype, 0) + param.numel()
+        queues.setdefault(param.dtype, [deque() for _ in range(world_size)])[owner_of(param)].append(param)
     buckets = []
-    for dtype, runs in by_dtype.items():
-        for run in runs:
-            segments = tuple(tuple(p for p in run if owner_of(p) == rank) for rank in range(world_size))
-            buckets.append(Bucket(dtype=dtype, device=run[0].device, segments=segments))
+    for dtype, per_rank in queues.items():
+        while any(per_rank):
+            target = max([bucket_numel // world_size] + [q[0].numel() for q in per_rank if q])
+            segments = []
+            for queue in per_rank:
+                taken, filled = [], 0
+                while queue and filled + queue[0].numel() <= target:
+                    filled += queue[0].numel()
+                    taken.append(queue.popleft())
+                segments.append(tuple(taken))
+            device = next(p for segment in segments for p in segment).device
+            buckets.append(Bucket(dtype=dtype, device=device, segments=tuple(segments)))
     return buckets

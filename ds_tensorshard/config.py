@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 BLOCK = "tensorshard"
 SHARDABLE_OPTIMIZER_TYPES = ("adam", "adamw")
 SHARDABLE_OPTIMIZER_CLASSES = ("FusedAdam", "Adam", "AdamW")
-DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's own zero_optimization.reduce_bucket_size default
+DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in flight cost little memory
 
 
 class TensorShardConfigError(ValueError):
@@ -33,7 +33,8 @@ class TensorShardConfig(BaseModel):
     ``"mpi"`` = mpi4py (uneven Reduce_scatter/Allgatherv, no padding)."""
 
     bucket_numel: Optional[int] = Field(default=None, gt=0)
-    """Elements per communication bucket; ``null`` takes ``zero_optimization.reduce_bucket_size``."""
+    """Elements per communication bucket; ``null`` takes ``zero_optimization.reduce_bucket_size`` where the
+    config sets it, else 4,000,000."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
@@ -102,17 +103,16 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
 
 
 def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> int:
-    """Elements per bucket: the plugin key, else DeepSpeed's reduce_bucket_size."""
+    """Elements per bucket: the plugin key, else a reduce_bucket_size the config sets, else our default."""
     if config.bucket_numel is not None:
         return config.bucket_numel
-    zero = param_dict.get("zero_optimization", {}) or {}
-    size = zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)
-    return int(size) if isinstance(size, (int, float)) else DEFAULT_REDUCE_BUCKET_SIZE
+    size = (param_dict.get("zero_optimization", {}) or {}).get("reduce_bucket_size")
+    return int(size) if isinstance(size, (int, float)) and size > 0 else DEFAULT_BUCKET_NUMEL
 
 
 MAPPED_ZERO_KEYS = {
     "stage": "selects the mode: 1 = reduce at the accumulation boundary, 2 = reduce every micro-step",
-    "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set",
+    "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set (default 4,000,000)",
     "reduce_scatter": "at stage 2, true divides gradients by the world size before the sum, as stock does",
 }
 IGNORED_ZERO_KEYS = {

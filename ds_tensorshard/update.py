@@ -48,8 +48,8 @@ class OwnedShard:
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Add a reduced gradient of an owned tensor to its accumulator."""
         total = self.accumulated.get(param)
-        if total is None:
-            self.accumulated[param] = grad.to(self.accum_dtype, copy=True).view(param.shape)
+        if total is None:  # keep the received buffer itself (it is ours alone) rather than a copy
+            self.accumulated[param] = grad.to(self.accum_dtype).view(param.shape)
         else:
             total.add_(grad.view(param.shape))
 

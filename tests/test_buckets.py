@@ -11,19 +11,19 @@ def params(*shapes, dtype=torch.float32):
     return [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
 
 
-def test_buckets_are_owner_major_single_dtype_bounded_and_in_backward_order():
-    ps = params((10,), (20,), (5,), (30,), (7,)) + params((4,), dtype=torch.bfloat16)
-    owner = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 0])}
+def test_buckets_are_owner_major_single_dtype_balanced_and_in_backward_order():
+    ps = params((10,), (20,), (5,), (30,), (7,), (6,)) + params((4,), dtype=torch.bfloat16)
+    owner = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 1, 0])}
     buckets = build_buckets(ps, lambda p: owner[id(p)], world_size=2, bucket_numel=40)
     for b in buckets:
         for rank, segment in enumerate(b.segments):
             assert all(owner[id(p)] == rank and p.dtype == b.dtype for p in segment)
-        assert b.numel <= 40 or sum(len(s) for s in b.segments) == 1  # only an oversized tensor stands alone
+        # each segment holds at most bucket_numel / world_size, unless a single tensor is larger
+        assert all(count <= 20 or len(segment) == 1 for count, segment in zip(b.counts, b.segments))
         assert b.counts == tuple(sum(p.numel() for p in s) for s in b.segments)
     fp32 = [b for b in buckets if b.dtype == torch.float32]
-    # backward order: the last-registered tensors fill the first bucket
-    assert [set(map(id, sum(b.segments, ()))) for b in fp32] == [{id(ps[4]), id(ps[3])},
-                                                                 {id(ps[2]), id(ps[1]), id(ps[0])}]
+    # each rank's queue is consumed in backward order: rank 0 = [7, 5, 10], rank 1 = [6, 30, 20]
+    assert [[[p.numel() for p in s] for s in b.segments] for b in fp32] == [[[7, 5], [6]], [[10], [30]], [[], [20]]]
     assert sorted(id(p) for b in buckets for s in b.segments for p in s) == sorted(id(p) for p in ps)
 
 

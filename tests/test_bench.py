@@ -1,0 +1,29 @@
+"""``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written."""
+import json
+import os
+import subprocess
+import sys
+
+from ranks import TIMEOUT_S
+
+
+def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "bench", "--layers", "1", "--width", "32",
+                           "--vocab", "128", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert set(results) == {"stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi"}
+    for r in results.values():
+        assert r["step_s"] > 0 and len(r["peak_rss_bytes"]) == 2 and r["sent_bytes_per_rank"] > 0
+        assert abs(sum(r[k] for k in ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")) - r["step_s"]) < 1e-6
+    for name in ("ts_torch", "ts_mpi"):  # every tensor's state on exactly one rank
+        r = results[name]
+        assert r["optimizer_state_bytes_fullest"] <= 1.05 * r["optimizer_state_bytes_total"] / 2 + 8 * 4096
+    # reduce-scatter + all-gather without padding moves no more than stock stage 0's all-reduce
+    assert results["ts_mpi"]["sent_bytes_per_rank"] <= 1.01 * results["stage0"]["sent_bytes_per_rank"]
+    table = (tmp_path / "results.md").read_text()
+    assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
