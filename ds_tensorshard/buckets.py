@@ -64,9 +64,10 @@ def build_buckets(params: Sequence[torch.nn.Parameter], owner_of: Callable[[torc
     """Cut ``params`` (given in registration order) into owner-major buckets with balanced segments.
 
     Per dtype, each rank's tensors form a queue in backward order; every bucket takes from the head
-    of each queue up to ``bucket_numel / world_size`` elements (more only for a single tensor that
-    is larger), so segments are about equal (little padding for equal-size collectives) and every
-    bucket holds gradients that backward produces at about the same time.
+    of each queue as long as that brings the segment closer to ``bucket_numel / world_size`` elements
+    (or to the largest head tensor, if larger), so segments are about equal (little padding for
+    equal-size collectives) and every bucket holds gradients that backward produces at about the
+    same time.
     """
     queues: dict[torch.dtype, list[deque]] = {}
     for param in reversed(params):
@@ -78,7 +79,8 @@ def build_buckets(params: Sequence[torch.nn.Parameter], owner_of: Callable[[torc
             segments = []
             for queue in per_rank:
                 taken, filled = [], 0
-                while queue and filled + queue[0].numel() <= target:
+                # take the next tensor while that brings the segment closer to the target size
+                while queue and abs(filled + queue[0].numel() - target) < abs(filled - target):
                     filled += queue[0].numel()
                     taken.append(queue.popleft())
                 segments.append(tuple(taken))
