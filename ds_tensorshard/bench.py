@@ -92,13 +92,14 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [r["label"].replace(" (", "\n(").replace(" + ", "\n+ ") for r in results]
+    labels = [r["label"].replace(" (", "\n(").replace(" + ZeroRedundancyOptimizer", "\n+ ZeroRedundancy-\nOptimizer")
+              for r in results]
     bottom = [0.0] * len(results)
     for phase in PHASES:
         values = [r[phase] for r in results]
         left.bar(labels, values, bottom=bottom, label=phase[:-2].replace("_", "+"))
         bottom = [b + v for b, v in zip(bottom, values)]
-    left.set_ylabel("median step time (s)")
+    left.set_ylabel("median time per phase (s)")
     left.legend()
     left.tick_params(axis="x", labelsize=7)
     right.bar(labels, [max(r["peak_rss_bytes"]) / 2**30 for r in results], color="gray")
