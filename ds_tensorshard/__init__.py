@@ -7,6 +7,7 @@ check_deepspeed_version(_deepspeed.__version__)
 
 from .config import TensorShardConfig, TensorShardConfigError  # noqa: E402
 from .engine_hooks import install, installed  # noqa: E402
+from .many import initialize_many, step_many  # noqa: E402
 from .optimizer import TensorShardOptimizer  # noqa: E402
 from .plan import OwnershipPlan, plan_ownership  # noqa: E402
 
@@ -14,4 +15,4 @@ install()
 
 __version__ = "0.1.0"
 __all__ = ["TensorShardConfig", "TensorShardConfigError", "TensorShardOptimizer", "OwnershipPlan",
-           "plan_ownership", "install", "installed"]
+           "plan_ownership", "install", "installed", "initialize_many", "step_many"]

@@ -11,23 +11,34 @@ from .comm import Pending
 from .reduce import IN_FLIGHT
 
 
-@torch.no_grad()
+class Gather:
+    """One all-gather per bucket, at most ``window`` under way; :meth:`finish` writes every owner's
+    updated tensors into every rank's model."""
+
+    def __init__(self, buckets: list[Bucket], comm: Any, window: int = IN_FLIGHT) -> None:
+        self.todo, self.comm, self.window = deque(buckets), comm, max(1, window)
+        self.in_flight: deque[tuple[Bucket, Pending]] = deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.todo and len(self.in_flight) < self.window:
+            bucket = self.todo.popleft()
+            mine = bucket.pack_segment(self.comm.rank, lambda p: p.data)
+            self.in_flight.append((bucket, self.comm.start_all_gather(mine, bucket.counts)))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        while self.in_flight:
+            bucket, pending = self.in_flight.popleft()
+            flat = pending.wait()
+            starts, _ = self.comm.layout(bucket.counts)
+            for rank, start in enumerate(starts):
+                if rank != self.comm.rank:
+                    for param, view in bucket.views(rank, flat[start:start + bucket.counts[rank]]):
+                        param.data.copy_(view)
+            self._fill()
+
+
 def gather_buckets(buckets: list[Bucket], comm: Any) -> None:
-    """One all-gather per bucket, at most ``IN_FLIGHT`` under way: every rank receives every owner's tensors."""
-    in_flight: deque[tuple[Bucket, Pending]] = deque()
-    for bucket in buckets:
-        mine = bucket.pack_segment(comm.rank, lambda p: p.data)
-        in_flight.append((bucket, comm.start_all_gather(mine, bucket.counts)))
-        if len(in_flight) >= IN_FLIGHT:
-            _unpack(*in_flight.popleft(), comm)
-    while in_flight:
-        _unpack(*in_flight.popleft(), comm)
-
-
-def _unpack(bucket: Bucket, pending: Pending, comm: Any) -> None:
-    flat = pending.wait()
-    starts, _ = comm.layout(bucket.counts)
-    for rank, start in enumerate(starts):
-        if rank != comm.rank:
-            for param, view in bucket.views(rank, flat[start:start + bucket.counts[rank]]):
-                param.data.copy_(view)
+    """Every rank receives every owner's updated tensors, two buckets in flight at a time."""
+    Gather(buckets, comm).finish()

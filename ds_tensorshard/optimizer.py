@@ -30,8 +30,9 @@ from .checkpoint_files import CheckpointError
 from .checkpoint_sources import FORMAT_KEY, FORMAT_VERSION, CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
-from .gather import gather_buckets
-from .plan import plan_ownership
+from .gather import Gather, gather_buckets
+from .many import joint_plan
+from .plan import OwnershipPlan, plan_ownership
 from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
 
@@ -65,8 +66,12 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
-        self.plan = plan_ownership(((self.names[p], p.numel()) for p in self.params), self.comm.world_size,
-                                   param_names={id(p): name for p, name in self.names.items()})
+        self.plan = joint_plan() or plan_ownership(((self.names[p], p.numel()) for p in self.params),
+                                                   self.comm.world_size,
+                                                   param_names={id(p): name for p, name in self.names.items()})
+        _check_plan_covers(self.plan, self.params, self.comm.world_size)
+        self.defer_gather = False  # set by step_many: step() starts the all-gathers, finish_gather() completes them
+        self._gather: Gather | None = None
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
@@ -155,7 +160,16 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.shard.scale_grads(1.0 / combined_scale)
         self.shard.step()
         self.shard.drop_grads()
-        gather_buckets(self.buckets, self.comm)
+        if self.defer_gather:
+            self._gather = Gather(self.buckets, self.comm, window=len(self.buckets))
+        else:
+            gather_buckets(self.buckets, self.comm)
+
+    def finish_gather(self) -> None:
+        """Complete the all-gathers a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
+        if self._gather is not None:
+            self._gather.finish()
+            self._gather = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model gradients and owned accumulators (always set to None)."""
@@ -225,6 +239,16 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     def refresh_fp32_params(self) -> None:
         self.shard.reload_from_params()
+
+
+def _check_plan_covers(plan: OwnershipPlan, params: list, world_size: int) -> None:
+    if plan.world_size != world_size:
+        raise ValueError(f"the shared plan is for {plan.world_size} ranks but this engine's data-parallel group "
+                         f"has {world_size}")
+    missing = next((p for p in params if id(p) not in plan.param_names), None)
+    if missing is not None:
+        raise ValueError(f"a trainable parameter of shape {tuple(missing.shape)} is not in the shared plan: "
+                         "initialize_many plans the models' named_parameters() that require grad")
 
 
 def _transport(backend: str, group: Any) -> Any:

@@ -1,0 +1,76 @@
+"""Several models, one sharding service (patent claim 6).
+
+``initialize_many`` plans the union of all models' tensors at once, so per-model imbalances do not
+add up on one rank; ``step_many`` steps the engines as one, each model's all-gathers running while
+the next model's owned tensors are updated.
+
+Example (every rank runs the same lines)::
+
+    results = ds_tensorshard.initialize_many([
+        dict(model=actor, model_parameters=actor.parameters(), config=actor_config),
+        dict(model=critic, model_parameters=critic.parameters(), config=critic_config)])
+    (actor_engine, *_), (critic_engine, *_) = results
+    ...  # forward + backward on each engine
+    ds_tensorshard.step_many([actor_engine, critic_engine])
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional, Sequence
+
+import deepspeed
+from deepspeed import comm as dist
+
+from .plan import OwnershipPlan, plan_ownership
+
+_JOINT_PLAN: contextvars.ContextVar[Optional[OwnershipPlan]] = contextvars.ContextVar("joint_plan", default=None)
+
+
+def joint_plan() -> Optional[OwnershipPlan]:
+    """The plan shared by the engines being built by :func:`initialize_many`, if any."""
+    return _JOINT_PLAN.get()
+
+
+@contextlib.contextmanager
+def _sharing(plan: OwnershipPlan) -> Iterator[None]:
+    token = _JOINT_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _JOINT_PLAN.reset(token)
+
+
+def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
+    """``deepspeed.initialize(**item)`` for each item, their TensorShardOptimizers sharing one plan
+    balanced over the union of all the models' trainable tensors."""
+    deepspeed.init_distributed()
+    tensors, names = [], {}
+    for index, item in enumerate(items):
+        if "model" not in item:
+            raise ValueError(f"initialize_many: item {index} has no 'model'")
+        for name, param in item["model"].named_parameters():
+            if param.requires_grad:
+                key = f"{index}/{name}"
+                tensors.append((key, param.numel()))
+                names[id(param)] = key
+    plan = plan_ownership(tensors, dist.get_world_size(), param_names=names)
+    with _sharing(plan):
+        return [deepspeed.initialize(**item) for item in items]
+
+
+def step_many(engines: Sequence[Any]) -> None:
+    """``engine.step()`` for every engine, each model's all-gathers left running while the next model's
+    owned tensors are updated; all gathers are complete on return. Same result as stepping one by one."""
+    from .optimizer import TensorShardOptimizer
+    sharded = [e.optimizer for e in engines if isinstance(e.optimizer, TensorShardOptimizer)]
+    for optimizer in sharded:
+        optimizer.defer_gather = True
+    try:
+        for engine in engines:
+            engine.step()
+    finally:
+        for optimizer in sharded:
+            optimizer.defer_gather = False
+        for optimizer in sharded:
+            optimizer.finish_gather()

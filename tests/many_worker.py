@@ -1,0 +1,64 @@
+"""One rank of a multi-model run: two TinyGPTs of different sizes and dtypes trained in one loop.
+
+python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO-2 engine),
+step_many (initialize_many + step_many) or one_by_one (initialize_many + engine.step each).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+import ds_tensorshard  # noqa: E402
+from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups, shutdown  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
+
+MODELS = [("fp32", dict(width=32, layers=2)), ("bf16", dict(width=48, layers=1))]
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    get_accelerator().is_fp16_supported = lambda: True
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    items = []
+    for seed, (dtype, shape) in enumerate(MODELS):
+        torch.manual_seed(100 + seed)
+        model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
+        items.append(dict(model=model, model_parameters=param_groups(model),
+                          config=ds_config(dtype, "stock" if mode == "stock" else "ts", 2, world)))
+    if mode == "stock":
+        engines = [deepspeed.initialize(**item)[0] for item in items]
+    else:
+        engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
+    losses = [[] for _ in engines]
+    for micro in range(STEPS * GAS):
+        for index, engine in enumerate(engines):
+            loss = engine(batch(rank + 17 * index, micro))
+            engine.backward(loss)
+            losses[index].append(loss.item())
+        if mode == "step_many":
+            ds_tensorshard.step_many(engines)
+        else:
+            for engine in engines:
+                engine.step()
+    result = {"losses": losses,
+              "params": [{n: p.detach().float().clone() for n, p in e.module.named_parameters()} for e in engines]}
+    if mode != "stock":
+        plans = [e.optimizer.plan for e in engines]
+        result["same_plan"] = plans[0] is plans[1]
+        result["numel_per_rank"] = list(plans[0].numel_per_rank)
+        result["owners"] = [[plans[0].owner(p) for p in e.module.parameters() if p.requires_grad] for e in engines]
+        result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])
+                                 for e in engines]
+    torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
