@@ -38,3 +38,15 @@ def test_plan_cli_text(capsys):
     assert cli_main(["plan", "--preset", "demo", "--layers", "2", "--world-size", "3"]) == 0
     out = capsys.readouterr().out
     assert "world size 3" in out and out.count("  rank ") == 3
+
+
+def test_two_models_example_prints_joint_and_per_model_plans():
+    text = run_ranks(["-m", "ds_tensorshard.examples.train_two_models", "--steps", "2"], 3)[0]
+    joint = re.search(r"joint plan, elements per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)
+    separate = re.search(r"per-model plans, summed per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)
+    assert joint and separate, text[-3000:]
+    joint_loads = [int(x) for x in joint.group(1).split(",")]
+    separate_loads = [int(x) for x in separate.group(1).split(",")]
+    assert sum(joint_loads) == sum(separate_loads)
+    assert max(joint_loads) <= max(separate_loads)  # planning the union never does worse here
+    assert "step_many: median" in text and "one by one: median" in text
