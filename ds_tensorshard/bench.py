@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from .bench_worker import CONFIGS
+from .bench_worker import CONFIGS, RUN_ARGUMENTS, add_run_arguments
 
 LABELS = {"stage0": "stock stage 0", "zero1": "stock ZeRO-1", "zero2": "stock ZeRO-2",
           "ddp_zero": "DDP + ZeroRedundancyOptimizer", "ts_torch": "ds_tensorshard (torch)",
@@ -39,11 +39,10 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench_worker", config, raw_dir,
-           "--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq",
-           str(args.seq), "--global-batch", str(args.global_batch), "--dtype", args.dtype, "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--port", str(_free_port())]
-    if args.bucket_numel is not None:
-        cmd += ["--bucket-numel", str(args.bucket_numel)]
+           "--port", str(_free_port())]
+    for name in RUN_ARGUMENTS:
+        if getattr(args, name) is not None:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"configuration {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -113,16 +112,7 @@ def plot(results: list[dict], path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--global-batch", type=int, default=2)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int,
-                        help="bucket size for every configuration (default: each keeps its own)")
+    add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
 

@@ -110,19 +110,28 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in model_storage)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS)
-    parser.add_argument("out")
+RUN_ARGUMENTS = ("layers", "width", "vocab", "seq", "global_batch", "dtype", "steps", "warmup", "bucket_numel")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, batch and timing options, shared by ``ds-tensorshard bench`` and its workers."""
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--global-batch", type=int, default=2)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int)
+    parser.add_argument("--bucket-numel", type=int,
+                        help="bucket size for every configuration (default: each keeps its own)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("config", choices=CONFIGS)
+    parser.add_argument("out")
+    add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)
     args = parser.parse_args()
 

@@ -124,15 +124,16 @@ IGNORED_ZERO_KEYS = {
 }
 
 
+def zero_key_treatment(key: str) -> str:
+    """How ds_tensorshard treats a ``zero_optimization`` key."""
+    if key in MAPPED_ZERO_KEYS:
+        return f"used, {MAPPED_ZERO_KEYS[key]}"
+    if key in IGNORED_ZERO_KEYS:
+        return f"no effect, {IGNORED_ZERO_KEYS[key]}"
+    return "no effect on ds_tensorshard"
+
+
 def describe_zero_mapping(param_dict: Mapping[str, Any]) -> str:
     """One log line per zero_optimization key present: how ds_tensorshard treats it."""
     zero = param_dict.get("zero_optimization", {}) or {}
-    lines = []
-    for key in sorted(zero):
-        if key in MAPPED_ZERO_KEYS:
-            lines.append(f"zero_optimization.{key}={zero[key]!r}: used, {MAPPED_ZERO_KEYS[key]}")
-        elif key in IGNORED_ZERO_KEYS:
-            lines.append(f"zero_optimization.{key}={zero[key]!r}: no effect, {IGNORED_ZERO_KEYS[key]}")
-        else:
-            lines.append(f"zero_optimization.{key}={zero[key]!r}: no effect on ds_tensorshard")
-    return "; ".join(lines)
+    return "; ".join(f"zero_optimization.{key}={zero[key]!r}: {zero_key_treatment(key)}" for key in sorted(zero))

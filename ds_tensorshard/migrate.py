@@ -4,8 +4,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .config import BLOCK, IGNORED_ZERO_KEYS, MAPPED_ZERO_KEYS, SHARDABLE_OPTIMIZER_TYPES, TensorShardConfigError, \
-    validate_engine_config
+from .config import BLOCK, SHARDABLE_OPTIMIZER_TYPES, TensorShardConfigError, validate_engine_config, \
+    zero_key_treatment
 
 DROPPED_ZERO_KEYS = {
     "offload_optimizer": "offload is not supported by ds_tensorshard",
@@ -34,12 +34,8 @@ def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if key in DROPPED_ZERO_KEYS:
             report.append(f"zero_optimization.{key}: dropped ({DROPPED_ZERO_KEYS[key]})")
             del zero[key]
-        elif key in MAPPED_ZERO_KEYS:
-            report.append(f"zero_optimization.{key}={zero[key]!r}: kept, {MAPPED_ZERO_KEYS[key]}")
-        elif key in IGNORED_ZERO_KEYS:
-            report.append(f"zero_optimization.{key}={zero[key]!r}: kept, no effect ({IGNORED_ZERO_KEYS[key]})")
         else:
-            report.append(f"zero_optimization.{key}={zero[key]!r}: kept, no effect on ds_tensorshard")
+            report.append(f"zero_optimization.{key}={zero[key]!r}: kept, {zero_key_treatment(key)}")
     config["zero_optimization"] = zero
     for key, why in DROPPED_TOP_KEYS.items():
         if key in config:
