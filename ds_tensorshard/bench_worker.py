@@ -141,6 +141,7 @@ def main() -> None:
 
     import ds_tensorshard
     from ds_tensorshard import optimizer as ts_optimizer
+    from ds_tensorshard.comm import close_process_group
     from ds_tensorshard.examples.gpt import GPT, synthetic_batch
     _count_mpi_collectives()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
@@ -202,8 +203,8 @@ def main() -> None:
               "optimizer_state_bytes": state_bytes(args.config, optimizer, model)}
     with open(os.path.join(args.out, f"{args.config}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    tdist.barrier()
-    tdist.destroy_process_group()
+    del engine, optimizer, model, backward, step  # DDP's reducer keeps gloo work alive until collected
+    close_process_group()
 
 
 if __name__ == "__main__":

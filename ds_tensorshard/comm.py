@@ -61,3 +61,16 @@ class TorchComm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
+
+
+def close_process_group() -> None:
+    """End a script's torch.distributed world while Python is fully alive: gloo work objects that are
+    still referenced at interpreter exit can abort the process ("terminate called without an active
+    exception"), so collect them, wait for every rank, then destroy the process group."""
+    import gc
+
+    import torch.distributed as tdist
+    gc.collect()
+    if tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()

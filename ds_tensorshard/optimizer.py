@@ -79,8 +79,11 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.buckets = build_buckets(self.params, self.plan.owner, self.comm.world_size,
                                      bucket_numel(config, engine._config._param_dict))
         self.reducer = OverlappedReducer(self.buckets, self.comm, self.averaging, self._deliver)
-        for param in self.params:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
+        for param in self.params:  # a model given to a new engine drops the previous engine's hook
+            previous = getattr(param, "_tensorshard_hook", None)
+            if previous is not None:
+                previous.remove()
+            param._tensorshard_hook = param.register_post_accumulate_grad_hook(self._gradient_ready)
         if engine.global_rank == 0:
             logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
                         f"{len(self.buckets)} buckets, elements per rank {list(self.plan.numel_per_rank)}; "

@@ -21,7 +21,8 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
-from equivalence_worker import SEQ, VOCAB, ds_config, param_groups, shutdown  # noqa: E402
+from ds_tensorshard.comm import close_process_group  # noqa: E402
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 GLOBAL_BATCH, MICRO = 12, 2
@@ -89,7 +90,7 @@ def main() -> None:
     if rank == 0:
         torch.save({"losses": losses, "params": {n: p.detach().float().clone()
                                                  for n, p in engine.module.named_parameters()}}, args.out)
-    shutdown()
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ optimizer-state facts.
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -19,6 +18,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import ds_tensorshard  # noqa: E402
+from ds_tensorshard.comm import close_process_group  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 MICRO_BATCH, GAS, STEPS, SEQ, VOCAB = 2, 2, 5, 16, 64
@@ -106,14 +106,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
-    shutdown()
-
-
-def shutdown() -> None:
-    """Tear the process group down while Python is fully alive (gloo can abort at interpreter exit otherwise)."""
-    gc.collect()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

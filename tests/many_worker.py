@@ -15,7 +15,8 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import ds_tensorshard  # noqa: E402
-from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups, shutdown  # noqa: E402
+from ds_tensorshard.comm import close_process_group  # noqa: E402
+from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 MODELS = [("fp32", dict(width=32, layers=2)), ("bf16", dict(width=48, layers=1))]
@@ -57,7 +58,7 @@ def main() -> None:
         result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])
                                  for e in engines]
     torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))
-    shutdown()
+    close_process_group()
 
 
 if __name__ == "__main__":

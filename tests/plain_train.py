@@ -11,6 +11,8 @@ import os
 import deepspeed
 import torch
 
+from ds_tensorshard.comm import close_process_group
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=2)
@@ -45,5 +47,5 @@ line = "RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.lo
                               "numel_per_rank": list(optimizer.plan.numel_per_rank) if hasattr(optimizer, "plan")
                               else None})
 os.write(1, (line + "\n").encode())
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+del engine, optimizer, model
+close_process_group()

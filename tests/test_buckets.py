@@ -76,3 +76,16 @@ def test_reduction_starts_from_gradient_hooks_while_backward_runs():
     assert seen == [2]  # the buckets of the last layers were already under way; the first one needs layer 0's grads
     assert optimizer.reducer.started == 0 and not optimizer.reducer.in_flight  # all finished and reset
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_a_model_given_to_a_new_engine_reduces_only_there():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+    _, first, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, second, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    assert first.reducer.ready == [0] * len(first.buckets)  # the first engine's hooks are gone
+    engine.step()
+    assert len(second.optimizer.state) == 4 and len(first.optimizer.state) == 0

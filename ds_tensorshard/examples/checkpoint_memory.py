@@ -19,6 +19,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard  # noqa: F401
+from ds_tensorshard.comm import close_process_group
 from ds_tensorshard.examples.gpt import PRESETS, build, synthetic_batch
 
 
@@ -62,9 +63,7 @@ def main() -> None:
     if rank == 0:
         for r in rows:
             print("MEMORY " + json.dumps(r), flush=True)
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

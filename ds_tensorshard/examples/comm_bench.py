@@ -16,7 +16,7 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
-from ds_tensorshard.comm import TorchComm
+from ds_tensorshard.comm import TorchComm, close_process_group
 from ds_tensorshard.mpi_comm import MpiComm
 
 
@@ -50,8 +50,8 @@ def main() -> None:
                 print("COMM " + json.dumps({"backend": name, "ranks": n, "numel": numel,
                                             "median_s": round(statistics.median(times), 4)}), flush=True)
             del flat
-    dist.barrier()
-    dist.destroy_process_group()
+    del transports
+    close_process_group()
 
 
 if __name__ == "__main__":

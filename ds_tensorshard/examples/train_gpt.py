@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 
 import deepspeed
@@ -16,6 +15,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard
+from ds_tensorshard.comm import close_process_group
 from ds_tensorshard.examples.gpt import PRESETS, build, synthetic_batch
 
 
@@ -91,9 +91,7 @@ def main() -> None:
         for r, (ts, st) in enumerate(zip(ts_all, stock_all)):
             print(f"  rank {r}: ds_tensorshard {ts / 2**20:8.3f} MiB   stock ZeRO-2 {st / 2**20:8.3f} MiB")
         print(f"  total : ds_tensorshard {sum(ts_all) / 2**20:8.3f} MiB   stock ZeRO-2 {sum(stock_all) / 2**20:8.3f} MiB")
-    gc.collect()  # release gloo work objects while Python is alive; they can abort at interpreter exit
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

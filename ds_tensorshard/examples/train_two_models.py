@@ -8,7 +8,6 @@ times ``step_many`` (one joint step) against stepping the engines one after the 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 
@@ -17,6 +16,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard
+from ds_tensorshard.comm import close_process_group
 from ds_tensorshard.examples.gpt import build, synthetic_batch
 from ds_tensorshard.plan import plan_ownership
 
@@ -84,9 +84,7 @@ def main() -> None:
         for name, values in losses.items():
             print(f"{name} model ({sum(p.numel() for p in models[name].parameters()):,} parameters): "
                   f"loss {values[0]:.4f} -> {values[-1]:.4f}")
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":
