@@ -8,10 +8,10 @@ import hashlib
 import json
 import os
 
+import gc
+
 import deepspeed
 import torch
-
-from ds_tensorshard.comm import close_process_group
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
@@ -48,4 +48,6 @@ line = "RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.lo
                               else None})
 os.write(1, (line + "\n").encode())
 del engine, optimizer, model
-close_process_group()
+gc.collect()  # gloo work still referenced at interpreter exit can abort the process
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
