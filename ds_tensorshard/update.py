@@ -7,8 +7,6 @@ only this rank's masters as ``params``, so Adam state is created for owned tenso
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 
@@ -36,13 +34,6 @@ class OwnedShard:
                 self.masters[param] = master
                 masters.append(master)
             group["params"] = masters
-
-    @property
-    def params(self) -> Iterable[torch.nn.Parameter]:
-        return self.masters.keys()
-
-    def owns(self, param: torch.nn.Parameter) -> bool:
-        return param in self.masters
 
     @torch.no_grad()
     def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
