@@ -70,6 +70,9 @@ class TensorShardOptimizer(ZeROOptimizer):
                                                    self.comm.world_size,
                                                    param_names={id(p): name for p, name in self.names.items()})
         _check_plan_covers(self.plan, self.params, self.comm.world_size)
+        # an engine of initialize_many leaves its last reductions in flight after backward, to run
+        # during the next model's backward; its step() (or zero_grad()) completes them
+        self.reduce_in_background = joint_plan() is not None
         self.defer_gather = False  # set by step_many: step() starts the all-gathers, finish_gather() completes them
         self._gather: Gather | None = None
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
@@ -127,7 +130,7 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
-        self.reducer.finish()
+        self.reducer.finish(wait=not self.reduce_in_background)
 
     @torch.no_grad()
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
@@ -144,6 +147,7 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Global norm and overflow check, loss-scale update, unscale + clip, Adam on owned tensors, gather."""
+        self.reducer.drain()
         self.shard.gradients_to_masters()
         squared = self.shard.squared_grad_norm()
         self.comm.all_reduce_sum(squared)
@@ -176,6 +180,7 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model gradients and owned accumulators (always set to None)."""
+        self.reducer.drain()
         for param in self.params:
             param.grad = None
         self.shard.drop_grads()

@@ -74,12 +74,12 @@ class OverlappedReducer:
         self.buckets, self.comm, self.averaging, self.deliver = buckets, comm, averaging, deliver
         self.index = {id(p): i for i, b in enumerate(buckets) for segment in b.segments for p in segment}
         self.sizes = [sum(len(segment) for segment in b.segments) for b in buckets]
-        self._reset()
+        self.in_flight: deque[tuple[Bucket, Pending]] = deque()
+        self._next_backward()
 
-    def _reset(self) -> None:
+    def _next_backward(self) -> None:
         self.ready = [0] * len(self.buckets)
         self.started = 0
-        self.in_flight: deque[tuple[Bucket, Pending]] = deque()
 
     def gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is final for this backward: start every bucket that is now complete."""
@@ -88,6 +88,8 @@ class OverlappedReducer:
             self._start_next()
 
     def _start_next(self) -> None:
+        """Start the next bucket; the oldest reductions (an earlier backward's first) complete to keep
+        at most ``IN_FLIGHT`` under way, so every parameter's micro-step gradients arrive in order."""
         bucket = self.buckets[self.started]
         self.started += 1
         self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging)))
@@ -98,10 +100,16 @@ class OverlappedReducer:
         bucket, pending = self.in_flight.popleft()
         self.deliver(bucket, pending.wait())
 
-    def finish(self) -> None:
-        """After backward: start what hooks did not (buckets with unused parameters), wait for everything."""
+    def finish(self, wait: bool = True) -> None:
+        """After backward: start what hooks did not (buckets with unused parameters) and, if ``wait``,
+        complete every reduction; else the last ones stay in flight until :meth:`drain`."""
         while self.started < len(self.buckets):
             self._start_next()
+        if wait:
+            self.drain()
+        self._next_backward()
+
+    def drain(self) -> None:
+        """Complete every reduction still in flight."""
         while self.in_flight:
             self._finish_oldest()
-        self._reset()

@@ -38,10 +38,13 @@ def main() -> None:
     else:
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     losses = [[] for _ in engines]
+    left_in_flight = []  # per backward of a sharded engine: reductions still running when it returned
     for micro in range(STEPS * GAS):
         for index, engine in enumerate(engines):
             loss = engine(batch(rank + 17 * index, micro))
             engine.backward(loss)
+            if mode != "stock":
+                left_in_flight.append(len(engine.optimizer.reducer.in_flight))
             losses[index].append(loss.item())
         if mode == "step_many":
             ds_tensorshard.step_many(engines)
@@ -53,6 +56,7 @@ def main() -> None:
     if mode != "stock":
         plans = [e.optimizer.plan for e in engines]
         result["same_plan"] = plans[0] is plans[1]
+        result["left_in_flight"] = left_in_flight
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
         result["owners"] = [[plans[0].owner(p) for p in e.module.parameters() if p.requires_grad] for e in engines]
         result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])

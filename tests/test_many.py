@@ -48,6 +48,14 @@ def test_step_many_equals_stepping_one_by_one(many):
             assert all(torch.equal(a["params"][index][k], b["params"][index][k]) for k in a["params"][index])
 
 
+def test_reductions_left_running_after_backward_are_complete_after_step(many):
+    """The engines leave their last reductions in flight into the next model's backward; the exact
+    results above show the step completed them."""
+    n, load = many
+    for rank in range(n):
+        assert all(count > 0 for count in load("step_many", rank)["left_in_flight"])
+
+
 def test_one_joint_plan_balanced_over_both_models(many):
     n, load = many
     results = [load("step_many", rank) for rank in range(n)]
