@@ -1,5 +1,7 @@
 """``ds-tensorshard bench``: stock DeepSpeed stage 0 / ZeRO-1 / ZeRO-2, PyTorch DDP + ZeroRedundancyOptimizer
-and ds_tensorshard (torch and mpi backends), side by side on the same model, data and ranks.
+and ds_tensorshard (torch and mpi backends), side by side on the same model, data and ranks; or, with
+``--configs two_...``, two models trained in the same processes (stock ZeRO-2 each; ds_tensorshard with a
+plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.bench_worker` (a fresh set of
 processes, so peak RSS is its own); this module launches them one after another, then writes
@@ -8,6 +10,7 @@ processes, so peak RSS is its own); this module launches them one after another,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -17,11 +20,13 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from .bench_worker import CONFIGS, RUN_ARGUMENTS, add_run_arguments
+from .bench_worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 
 LABELS = {"stage0": "stock stage 0", "zero1": "stock ZeRO-1", "zero2": "stock ZeRO-2",
           "ddp_zero": "DDP + ZeroRedundancyOptimizer", "ts_torch": "ds_tensorshard (torch)",
-          "ts_mpi": "ds_tensorshard (mpi)"}
+          "ts_mpi": "ds_tensorshard (mpi)",
+          "two_zero2": "2 models: stock ZeRO-2 each", "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
+          "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many"}
 PHASES = ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")
 
 
@@ -57,27 +62,34 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
     """Per step, the slowest rank counts; then medians over steps."""
     steps = list(zip(*(r["steps"] for r in ranks)))
     median = lambda key: statistics.median(max(rank_row[key] for rank_row in step) for step in steps)  # noqa: E731
+    state = [r["optimizer_state_bytes"] for r in ranks]
     return {"config": config, "label": LABELS[config], "world_size": ranks[0]["world_size"],
             "numel": ranks[0]["numel"], "step_s": median("step_s"), **{k: median(k) for k in PHASES},
             "sent_bytes_per_rank": median("sent_bytes"),
             "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
-            "optimizer_state_bytes_fullest": max(r["optimizer_state_bytes"] for r in ranks),
-            "optimizer_state_bytes_total": sum(r["optimizer_state_bytes"] for r in ranks)}
+            "optimizer_state_bytes_fullest": max(state), "optimizer_state_bytes_total": sum(state),
+            "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
+            "losses": ranks[0]["steps"][-1]["losses"]}
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
-    lines = [f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, "
-             f"{results[0]['numel'] / 1e6:.1f}M parameters; global batch {args.global_batch} x {args.seq} tokens; "
+    if args.configs[0] in TWO_MODEL_CONFIGS:
+        second = second_model_shape(args.width, args.layers)
+        models = (f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
+                  f"{args.width} and {second['layers']} layers x width {second['width']}, together")
+    else:
+        models = f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab},"
+    lines = [f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; global batch {args.global_batch} x {args.seq} tokens; "
              f"{args.ranks} ranks; {args.dtype}; median of {args.steps} steps after {args.warmup} warm-up. "
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.", "",
              "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
-             "opt. state fullest rank MiB | sent/rank/step MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
                      f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
                      f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
-                     f"{mib(r['sent_bytes_per_rank'])} |")
+                     f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |")
     lines += ["", "Step-time ratio (row / column):", "",
               "| | " + " | ".join(r["label"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
     for row in results:
@@ -91,8 +103,8 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [r["label"].replace(" (", "\n(").replace(" + ZeroRedundancyOptimizer", "\n+ ZeroRedundancy-\nOptimizer")
-              for r in results]
+    breaks = {" (": "\n(", ": ": ":\n", ", ": ",\n", " + ZeroRedundancyOptimizer": "\n+ ZeroRedundancy-\nOptimizer"}
+    labels = [functools.reduce(lambda text, pair: text.replace(*pair), breaks.items(), r["label"]) for r in results]
     bottom = [0.0] * len(results)
     for phase in PHASES:
         values = [r[phase] for r in results]
@@ -110,7 +122,9 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + TWO_MODEL_CONFIGS,
+                        help=f"one-model configurations (default: all) or two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), "
+                             "not both in one run")
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
@@ -118,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if len({c in TWO_MODEL_CONFIGS for c in args.configs}) > 1:
+        raise SystemExit("--configs: one-model and two-model configurations are compared in separate runs "
+                         f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})")
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
     from tqdm import tqdm

@@ -17,11 +17,15 @@ import os
 import resource
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
 
 CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
+# two models (the second half as wide and half as deep) trained in the same processes
+TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 _SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
             "all_gather_into_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
@@ -82,7 +86,7 @@ class Clock:
 
 
 def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
-    stage = {"stage0": 0, "zero1": 1, "zero2": 2, "ts_torch": 2, "ts_mpi": 2}[name]
+    stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
@@ -90,8 +94,10 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    if name.startswith("ts_"):
+    if name in ("ts_torch", "ts_mpi"):
         config["tensorshard"] = {"enabled": True, "comm_backend": name[3:]}
+    elif name.startswith("two_ts"):
+        config["tensorshard"] = {"enabled": True}
     return config
 
 
@@ -103,9 +109,9 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     else:
         inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        if name.startswith("ts_"):
+        if "ts_" in name:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
-        elif name in ("zero1", "zero2"):
+        elif "zero" in name:
             tensors += list(optimizer.single_partition_of_fp32_groups)
     return sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in model_storage)
 
@@ -127,9 +133,79 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bucket size for every configuration (default: each keeps its own)")
 
 
+def second_model_shape(width: int, layers: int) -> dict:
+    """The second model of the two-model configurations: half as wide, half as deep."""
+    half = max(16, width // 2)
+    return dict(width=half, layers=max(1, layers // 2), heads=max(1, half // 64))
+
+
+@dataclass
+class Setup:
+    """One configuration, built: its models, a forward+backward of all of them, and their step."""
+
+    models: list[torch.nn.Module]
+    train: Callable[[torch.Tensor], list[float]]
+    step: Callable[[], None]
+    state_bytes: Callable[[], int]
+
+
+def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(model)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                        weight_decay=0.01)
+    clock.wrap(optimizer, "_sync_params", "gather")
+
+    def train(tokens: torch.Tensor) -> list[float]:
+        loss = ddp(tokens)
+        loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
+        _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size()
+                                                                 for p in model.parameters())
+        return [loss.item()]
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return Setup([model], train, step, lambda: state_bytes("ddp_zero", optimizer, model))
+
+
+def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: argparse.Namespace,
+                    clock: Clock) -> Setup:
+    import deepspeed
+
+    import ds_tensorshard
+    items = [dict(model=m, model_parameters=m.parameters(), config=ds_config(name, micro, args.dtype,
+                                                                               args.bucket_numel)) for m in models]
+    if name == "two_ts_joint":
+        engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
+    else:
+        engines = [deepspeed.initialize(**item)[0] for item in items]
+    for engine in engines:
+        clock.wrap(engine, "allreduce_gradients", "reduce")
+        if "ts" in name:
+            assert isinstance(engine.optimizer, ds_tensorshard.TensorShardOptimizer)
+
+    def train(tokens: torch.Tensor) -> list[float]:
+        losses = []
+        for engine in engines:
+            loss = engine(tokens)
+            engine.backward(loss)
+            losses.append(loss.item())
+        return losses
+
+    def step() -> None:
+        if name == "two_ts_joint":
+            ds_tensorshard.step_many(engines)
+        else:
+            for engine in engines:
+                engine.step()
+    return Setup(models, train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS)
+    parser.add_argument("config", choices=CONFIGS + TWO_MODEL_CONFIGS)
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)
@@ -139,8 +215,7 @@ def main() -> None:
     import deepspeed
     from deepspeed.runtime.zero import stage_1_and_2
 
-    import ds_tensorshard
-    from ds_tensorshard import optimizer as ts_optimizer
+    from ds_tensorshard import gather
     from ds_tensorshard.comm import close_process_group
     from ds_tensorshard.examples.gpt import GPT, synthetic_batch
     _count_mpi_collectives()
@@ -150,35 +225,17 @@ def main() -> None:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
     micro = args.global_batch // world
     torch.manual_seed(0)
-    model = GPT(vocab=args.vocab, seq=args.seq, width=args.width, layers=args.layers, heads=max(1, args.width // 64))
-    if args.dtype == "bf16" and args.config == "ddp_zero":
-        model = model.to(torch.bfloat16)
+    shapes = [dict(width=args.width, layers=args.layers, heads=max(1, args.width // 64))]
+    if args.config in TWO_MODEL_CONFIGS:
+        shapes.append(second_model_shape(args.width, args.layers))
+    models = [GPT(vocab=args.vocab, seq=args.seq, **shape) for shape in shapes]
     clock = Clock()
+    clock.wrap(gather.Gather, "finish", "gather")
+    clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
     if args.config == "ddp_zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
-        engine = DistributedDataParallel(model)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
-                                            weight_decay=0.01)
-        clock.wrap(optimizer, "_sync_params", "gather")
-
-        def backward(loss):
-            loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
-            _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size()
-                                                                     for p in model.parameters())
-
-        def step():
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        setup = build_ddp(models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0], world, clock)
     else:
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                       config=ds_config(args.config, micro, args.dtype,
-                                                                        args.bucket_numel))
-        clock.wrap(engine, "allreduce_gradients", "reduce")
-        clock.wrap(ts_optimizer, "gather_buckets", "gather")
-        clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
-        backward, step = engine.backward, engine.step
-    assert args.config != "ts_torch" or isinstance(optimizer, ds_tensorshard.TensorShardOptimizer)
+        setup = build_deepspeed(args.config, models, micro, args, clock)
     generator = torch.Generator().manual_seed(100 + rank)
     rows = []
     for index in range(args.warmup + args.steps):
@@ -187,23 +244,22 @@ def main() -> None:
         sent_before = sum(_SENT.values())
         tdist.barrier()
         start = time.perf_counter()
-        loss = engine(tokens)
-        backward(loss)
+        losses = setup.train(tokens)
         after_backward = time.perf_counter()
-        step()
+        setup.step()
         end = time.perf_counter()
         if index >= args.warmup:
-            reduce, gather = clock.spent["reduce"], clock.spent["gather"]
+            reduce, gather_s = clock.spent["reduce"], clock.spent["gather"]
             rows.append({"step_s": end - start, "fwd_bwd_s": after_backward - start - reduce, "reduce_s": reduce,
-                         "optimizer_s": end - after_backward - gather, "gather_s": gather,
-                         "sent_bytes": sum(_SENT.values()) - sent_before, "loss": loss.item()})
+                         "optimizer_s": end - after_backward - gather_s, "gather_s": gather_s,
+                         "sent_bytes": sum(_SENT.values()) - sent_before, "losses": losses})
     result = {"config": args.config, "rank": rank, "world_size": world, "steps": rows,
-              "numel": sum(p.numel() for p in model.parameters()),
+              "numel": sum(p.numel() for m in setup.models for p in m.parameters()),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "optimizer_state_bytes": state_bytes(args.config, optimizer, model)}
+              "optimizer_state_bytes": setup.state_bytes()}
     with open(os.path.join(args.out, f"{args.config}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    del engine, optimizer, model, backward, step  # DDP's reducer keeps gloo work alive until collected
+    del setup, models  # DDP's reducer keeps gloo work alive until collected
     close_process_group()
 
 

@@ -7,12 +7,18 @@ import sys
 from ranks import TIMEOUT_S
 
 
-def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
+TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
-    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "bench", "--layers", "1", "--width", "32",
-                           "--vocab", "128", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+    return subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "bench", *args],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
+    proc = bench(*TINY, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     assert set(results) == {"stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi"}
@@ -29,3 +35,24 @@ def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_two_models_joint_plan_fills_the_fullest_rank_least(tmp_path):
+    proc = bench(*TINY, "--configs", "two_zero2", "two_ts_separate", "two_ts_joint", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    joint, separate = results["two_ts_joint"], results["two_ts_separate"]
+    assert joint["optimizer_state_bytes_total"] == separate["optimizer_state_bytes_total"]
+    assert joint["optimizer_state_bytes_fullest"] < separate["optimizer_state_bytes_fullest"]
+    assert joint["optimizer_state_fullest_over_ideal"] < separate["optimizer_state_fullest_over_ideal"]
+    for r in results.values():  # both models of every configuration train the same way (fp32, 2 ranks)
+        assert len(r["losses"]) == 2
+        for loss, stock in zip(r["losses"], results["two_zero2"]["losses"]):
+            assert abs(loss - stock) <= 1e-5
+    assert "Two GPTs" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_refuses_mixing_one_and_two_model_configurations(tmp_path):
+    proc = bench(*TINY, "--configs", "zero2", "two_ts_joint", "--out", str(tmp_path))
+    assert proc.returncode != 0 and "separate runs" in proc.stderr
+    assert not (tmp_path / "raw").exists()
