@@ -12,16 +12,16 @@ from .reduce import IN_FLIGHT
 
 
 class Gather:
-    """One all-gather per bucket, at most ``window`` under way; :meth:`finish` writes every owner's
-    updated tensors into every rank's model."""
+    """One all-gather per bucket, at most ``IN_FLIGHT`` under way (started at once); :meth:`finish` writes
+    every owner's updated tensors into every rank's model."""
 
-    def __init__(self, buckets: list[Bucket], comm: Any, window: int = IN_FLIGHT) -> None:
-        self.todo, self.comm, self.window = deque(buckets), comm, max(1, window)
+    def __init__(self, buckets: list[Bucket], comm: Any) -> None:
+        self.todo, self.comm = deque(buckets), comm
         self.in_flight: deque[tuple[Bucket, Pending]] = deque()
         self._fill()
 
     def _fill(self) -> None:
-        while self.todo and len(self.in_flight) < self.window:
+        while self.todo and len(self.in_flight) < IN_FLIGHT:
             bucket = self.todo.popleft()
             mine = bucket.pack_segment(self.comm.rank, lambda p: p.data)
             self.in_flight.append((bucket, self.comm.start_all_gather(mine, bucket.counts)))

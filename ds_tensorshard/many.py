@@ -1,7 +1,8 @@
 """Several models, one sharding service (patent claim 6).
 
 ``initialize_many`` plans the union of all models' tensors at once, so per-model imbalances do not
-add up on one rank; ``step_many`` steps the engines as one, each model's all-gathers running while
+add up on one rank, and its engines leave their last gradient reductions running into the next
+model's backward; ``step_many`` steps the engines as one, each model's all-gathers running while
 the next model's owned tensors are updated.
 
 Example (every rank runs the same lines)::
@@ -60,11 +61,15 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
 
 
 def step_many(engines: Sequence[Any]) -> None:
-    """``engine.step()`` for every engine, each model's all-gathers left running while the next model's
-    owned tensors are updated; all gathers are complete on return. Same result as stepping one by one."""
+    """``engine.step()`` for every engine, as one step: first every sharded engine at its accumulation
+    boundary completes its reductions and global norm, then each model's owned tensors are updated while
+    the previous model's all-gathers run; all gathers are complete on return. Same result as stepping
+    the engines one by one."""
     from .optimizer import TensorShardOptimizer
-    sharded = [e.optimizer for e in engines if isinstance(e.optimizer, TensorShardOptimizer)]
+    sharded = [e.optimizer for e in engines
+               if isinstance(e.optimizer, TensorShardOptimizer) and e.is_gradient_accumulation_boundary()]
     for optimizer in sharded:
+        optimizer.prepare_step()
         optimizer.defer_gather = True
     try:
         for engine in engines:

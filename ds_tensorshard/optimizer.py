@@ -74,7 +74,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         # during the next model's backward; its step() (or zero_grad()) completes them
         self.reduce_in_background = joint_plan() is not None
         self.defer_gather = False  # set by step_many: step() starts the all-gathers, finish_gather() completes them
-        self._gather: Gather | None = None
+        self.pending_gather: Gather | None = None
+        self._prepared: tuple[bool, float] | None = None  # (overflow, combined unscale-and-clip factor)
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
@@ -145,8 +146,10 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     # -- update and gather ----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        """Global norm and overflow check, loss-scale update, unscale + clip, Adam on owned tensors, gather."""
+    def prepare_step(self) -> None:
+        """The part of :meth:`step` that communicates before the update: complete the reductions,
+        all-reduce the global norm, check overflow, update the loss scale. :func:`~ds_tensorshard.step_many`
+        runs it for every engine first, so that each model's update overlaps the previous one's all-gathers."""
         self.reducer.drain()
         self.shard.gradients_to_masters()
         squared = self.shard.squared_grad_norm()
@@ -157,30 +160,43 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf")
-            self.zero_grad()
+            self._prepared = (True, 1.0)
             return
         self._global_grad_norm = scaled_norm / scale
         combined_scale = scale
         if self.clip_grad > 0.0:
             combined_scale = max(((scaled_norm / scale) + 1e-6) / self.clip_grad, 1.0) * scale
+        self._prepared = (False, combined_scale)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Global norm and overflow check, loss-scale update (:meth:`prepare_step`, unless already run),
+        unscale + clip, Adam on owned tensors, gather."""
+        if self._prepared is None:
+            self.prepare_step()
+        (overflow, combined_scale), self._prepared = self._prepared, None
+        if overflow:
+            self.zero_grad()
+            return
         if combined_scale != 1.0:
             self.shard.scale_grads(1.0 / combined_scale)
         self.shard.step()
         self.shard.drop_grads()
         if self.defer_gather:
-            self._gather = Gather(self.buckets, self.comm, window=len(self.buckets))
+            self.pending_gather = Gather(self.buckets, self.comm)
         else:
             gather_buckets(self.buckets, self.comm)
 
     def finish_gather(self) -> None:
         """Complete the all-gathers a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
-        if self._gather is not None:
-            self._gather.finish()
-            self._gather = None
+        if self.pending_gather is not None:
+            self.pending_gather.finish()
+            self.pending_gather = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model gradients and owned accumulators (always set to None)."""
         self.reducer.drain()
+        self._prepared = None
         for param in self.params:
             param.grad = None
         self.shard.drop_grads()

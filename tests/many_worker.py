@@ -38,6 +38,15 @@ def main() -> None:
     else:
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     losses = [[] for _ in engines]
+    gathers_running = []  # step_many: was the first model's all-gather in flight while the second updated?
+    if mode == "step_many":
+        first, second = engines[0].optimizer, engines[1].optimizer
+        update = second.shard.step
+
+        def observed_update() -> None:
+            gathers_running.append(first.pending_gather is not None and bool(first.pending_gather.in_flight))
+            update()
+        second.shard.step = observed_update
     left_in_flight = []  # per backward of a sharded engine: reductions still running when it returned
     for micro in range(STEPS * GAS):
         for index, engine in enumerate(engines):
@@ -57,6 +66,7 @@ def main() -> None:
         plans = [e.optimizer.plan for e in engines]
         result["same_plan"] = plans[0] is plans[1]
         result["left_in_flight"] = left_in_flight
+        result["gathers_running"] = gathers_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
         result["owners"] = [[plans[0].owner(p) for p in e.module.parameters() if p.requires_grad] for e in engines]
         result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])

@@ -56,6 +56,13 @@ def test_reductions_left_running_after_backward_are_complete_after_step(many):
         assert all(count > 0 for count in load("step_many", rank)["left_in_flight"])
 
 
+def test_step_many_updates_the_second_model_while_the_first_ones_gathers_run(many):
+    n, load = many
+    for rank in range(n):
+        running = load("step_many", rank)["gathers_running"]
+        assert running and all(running)
+
+
 def test_one_joint_plan_balanced_over_both_models(many):
     n, load = many
     results = [load("step_many", rank) for rank in range(n)]
