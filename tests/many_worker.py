@@ -1,4 +1,4 @@
-"""One rank of a multi-model run: two TinyGPTs of different sizes and dtypes trained in one loop.
+"""One rank of a multi-model run: three TinyGPTs of different sizes, dtypes and stages trained in one loop.
 
 python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO-2 engine),
 step_many (initialize_many + step_many) or one_by_one (initialize_many + engine.step each).
@@ -19,7 +19,9 @@ from ds_tensorshard.comm import close_process_group  # noqa: E402
 from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
-MODELS = [("fp32", dict(width=32, layers=2)), ("bf16", dict(width=48, layers=1))]
+# (dtype, ZeRO stage, shape): stage 1 reduces only at the accumulation boundary, stage 2 every micro-step
+MODELS = [("fp32", 2, dict(width=32, layers=2)), ("bf16", 2, dict(width=48, layers=1)),
+          ("fp32", 1, dict(width=16, layers=1))]
 
 
 def main() -> None:
@@ -28,11 +30,11 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     items = []
-    for seed, (dtype, shape) in enumerate(MODELS):
+    for seed, (dtype, stage, shape) in enumerate(MODELS):
         torch.manual_seed(100 + seed)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
         items.append(dict(model=model, model_parameters=param_groups(model),
-                          config=ds_config(dtype, "stock" if mode == "stock" else "ts", 2, world)))
+                          config=ds_config(dtype, "stock" if mode == "stock" else "ts", stage, world)))
     if mode == "stock":
         engines = [deepspeed.initialize(**item)[0] for item in items]
     else:
@@ -52,7 +54,7 @@ def main() -> None:
         for index, engine in enumerate(engines):
             loss = engine(batch(rank + 17 * index, micro))
             engine.backward(loss)
-            if mode != "stock":
+            if mode != "stock" and (MODELS[index][1] == 2 or engine.is_gradient_accumulation_boundary()):
                 left_in_flight.append(len(engine.optimizer.reducer.in_flight))
             losses[index].append(loss.item())
         if mode == "step_many":
@@ -64,7 +66,7 @@ def main() -> None:
               "params": [{n: p.detach().float().clone() for n, p in e.module.named_parameters()} for e in engines]}
     if mode != "stock":
         plans = [e.optimizer.plan for e in engines]
-        result["same_plan"] = plans[0] is plans[1]
+        result["same_plan"] = all(plan is plans[0] for plan in plans)
         result["left_in_flight"] = left_in_flight
         result["gathers_running"] = gathers_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
