@@ -49,6 +49,18 @@ def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check
     return outputs
 
 
+def run_deepspeed_launcher(args: Sequence[str], num_gpus: int, timeout: float = TIMEOUT_S) -> str:
+    """``deepspeed --num_gpus N --master_port P ARGS`` on this machine's CPUs; returns all ranks' output."""
+    env = rank_env(0, 1, free_port())
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_gpus),
+           "--master_port", str(free_port()), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
 def run_until_one_dies(args: Sequence[str], world: int, timeout: float = TIMEOUT_S) -> list[int]:
     """Run ranks until one of them exits non-zero, then kill the rest (they wait for it forever)."""
     port = free_port()

@@ -4,7 +4,7 @@ import os
 import re
 
 from ds_tensorshard.cli import main as cli_main
-from ranks import run_ranks
+from ranks import run_deepspeed_launcher, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
@@ -40,8 +40,8 @@ def test_plan_cli_text(capsys):
     assert "world size 3" in out and out.count("  rank ") == 3
 
 
-def test_two_models_example_prints_joint_and_per_model_plans():
-    text = run_ranks(["-m", "ds_tensorshard.examples.train_two_models", "--steps", "2"], 3)[0]
+def test_two_models_example_runs_under_the_deepspeed_launcher_and_prints_both_plans():
+    text = run_deepspeed_launcher(["--module", "ds_tensorshard.examples.train_two_models", "--steps", "2"], 3)
     joint = re.search(r"joint plan, elements per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)
     separate = re.search(r"per-model plans, summed per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)
     assert joint and separate, text[-3000:]

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ds_tensorshard.__main__ import split_argv
-from ranks import TIMEOUT_S, free_port, rank_env, run_ranks
+from ranks import TIMEOUT_S, free_port, rank_env, run_deepspeed_launcher, run_ranks
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "plain_train.py")
@@ -29,14 +29,8 @@ def test_split_argv_hands_launcher_flags_to_the_script():
 
 
 def test_deepspeed_launcher_with_module_flag_runs_unmodified_script():
-    env = rank_env(0, 1, free_port())
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key)
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), "--module", "ds_tensorshard", SCRIPT, "--steps", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    found = results(proc.stdout)
+    stdout = run_deepspeed_launcher(["--module", "ds_tensorshard", SCRIPT, "--steps", "2"], 2)
+    found = results(stdout)
     assert [r["rank"] for r in found] == [0, 1]
     assert all(r["optimizer"] == "TensorShardOptimizer" for r in found)
     assert [r["local_rank"] for r in found] == [0, 1]  # --local_rank reached the script
