@@ -1,7 +1,8 @@
 """One rank of a multi-model run: three TinyGPTs of different sizes, dtypes and stages trained in one loop.
 
-python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO-2 engine),
-step_many (initialize_many + step_many) or one_by_one (initialize_many + engine.step each).
+python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO engine),
+step_many (initialize_many + step_many), step_many_mpi (the same on the mpi backend, under mpiexec)
+or one_by_one (initialize_many + engine.step each).
 """
 from __future__ import annotations
 
@@ -29,19 +30,19 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    items = []
+    items, flavour = [], {"stock": "stock", "step_many_mpi": "tsmpi"}.get(mode, "ts")
     for seed, (dtype, stage, shape) in enumerate(MODELS):
         torch.manual_seed(100 + seed)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
         items.append(dict(model=model, model_parameters=param_groups(model),
-                          config=ds_config(dtype, "stock" if mode == "stock" else "ts", stage, world)))
+                          config=ds_config(dtype, flavour, stage, world)))
     if mode == "stock":
         engines = [deepspeed.initialize(**item)[0] for item in items]
     else:
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     losses = [[] for _ in engines]
     gathers_running = []  # step_many: was the first model's all-gather in flight while the second updated?
-    if mode == "step_many":
+    if mode.startswith("step_many"):
         first, second = engines[0].optimizer, engines[1].optimizer
         update = second.shard.step
 
@@ -57,7 +58,7 @@ def main() -> None:
             if mode != "stock" and (MODELS[index][1] == 2 or engine.is_gradient_accumulation_boundary()):
                 left_in_flight.append(len(engine.optimizer.reducer.in_flight))
             losses[index].append(loss.item())
-        if mode == "step_many":
+        if mode.startswith("step_many"):
             ds_tensorshard.step_many(engines)
         else:
             for engine in engines:

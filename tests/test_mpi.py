@@ -12,6 +12,7 @@ import torch
 
 from ranks import TIMEOUT_S, free_port, run_ranks
 from test_equivalence import TOLERANCE
+from test_many import assert_each_model_matches_stock, assert_overlapped
 
 HERE = os.path.dirname(__file__)
 BIN = os.path.dirname(sys.executable)
@@ -109,3 +110,12 @@ def test_comm_bench_reports_both_backends():
     rows = [json.loads(line[len("COMM "):]) for line in out.splitlines() if line.startswith("COMM ")]
     assert [(r["backend"], r["ranks"], r["numel"]) for r in rows] == [("torch", 2, 1000), ("mpi", 2, 1000)]
     assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
+    for mode in ("stock", "step_many_mpi"):
+        mpiexec([os.path.join(HERE, "many_worker.py"), str(tmp_path), mode], 2)
+    for rank in range(2):
+        joint = torch.load(tmp_path / f"step_many_mpi.rank{rank}.pt")
+        assert_each_model_matches_stock(joint, torch.load(tmp_path / f"stock.rank{rank}.pt"))
+        assert_overlapped(joint)
