@@ -80,11 +80,12 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
                   f"{args.width} and {second['layers']} layers x width {second['width']}, together")
     else:
         models = f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab},"
-    lines = [f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; global batch {args.global_batch} x {args.seq} tokens; "
-             f"{args.ranks} ranks; {args.dtype}; median of {args.steps} steps after {args.warmup} warm-up. "
+    lines = [f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; "
+             f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
+             f"median of {args.steps} steps after {args.warmup} warm-up. "
              f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.", "",
              "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
-             "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |", "|---" * 10 + "|"]
     for r in results:
         lines.append(f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
                      f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
@@ -123,8 +124,8 @@ def plot(results: list[dict], path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + TWO_MODEL_CONFIGS,
-                        help=f"one-model configurations (default: all) or two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), "
-                             "not both in one run")
+                        help="one-model configurations (default: all) or two-model ones "
+                             f"({', '.join(TWO_MODEL_CONFIGS)}), not both in one run")
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")

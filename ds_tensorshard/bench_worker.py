@@ -26,6 +26,7 @@ import torch.distributed as tdist
 CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
 # two models (the second half as wide and half as deep) trained in the same processes
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
+SHARDED = ("ts_torch", "ts_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's configurations
 _SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
             "all_gather_into_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
@@ -94,10 +95,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    if name in ("ts_torch", "ts_mpi"):
-        config["tensorshard"] = {"enabled": True, "comm_backend": name[3:]}
-    elif name.startswith("two_ts"):
-        config["tensorshard"] = {"enabled": True}
+    if name in SHARDED:
+        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name == "ts_mpi" else "torch"}
     return config
 
 
@@ -109,9 +108,9 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     else:
         inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-        if "ts_" in name:
+        if name in SHARDED:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
-        elif "zero" in name:
+        elif name in ("zero1", "zero2", "two_zero2"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
     return sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in model_storage)
 
@@ -183,7 +182,7 @@ def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: 
         engines = [deepspeed.initialize(**item)[0] for item in items]
     for engine in engines:
         clock.wrap(engine, "allreduce_gradients", "reduce")
-        if "ts" in name:
+        if name in SHARDED:
             assert isinstance(engine.optimizer, ds_tensorshard.TensorShardOptimizer)
 
     def train(tokens: torch.Tensor) -> list[float]:

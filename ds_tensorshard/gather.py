@@ -12,8 +12,8 @@ from .reduce import IN_FLIGHT
 
 
 class Gather:
-    """One all-gather per bucket, at most ``IN_FLIGHT`` under way (started at once); :meth:`finish` writes
-    every owner's updated tensors into every rank's model."""
+    """One all-gather per bucket, at most ``IN_FLIGHT`` under way, the first ones started on creation;
+    :meth:`finish` writes every owner's updated tensors into every rank's model."""
 
     def __init__(self, buckets: list[Bucket], comm: Any) -> None:
         self.todo, self.comm = deque(buckets), comm
