@@ -49,14 +49,21 @@ def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check
     return outputs
 
 
+def launcher_env() -> dict:
+    """The environment for a launcher (deepspeed, mpiexec, ds-tensorshard bench) that assigns ranks
+    itself: no rank variables, CPU settings, and the virtual environment's executables on PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
+    return env
+
+
 def run_deepspeed_launcher(args: Sequence[str], num_gpus: int, timeout: float = TIMEOUT_S) -> str:
     """``deepspeed --num_gpus N --master_port P ARGS`` on this machine's CPUs; returns all ranks' output."""
-    env = rank_env(0, 1, free_port())
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key)
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_gpus),
            "--master_port", str(free_port()), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

@@ -1,20 +1,17 @@
 """``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written."""
 import json
-import os
 import subprocess
 import sys
 
-from ranks import TIMEOUT_S
+from ranks import TIMEOUT_S, launcher_env
 
 
 TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
     return subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "bench", *args],
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                          env=launcher_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ranks import TIMEOUT_S, free_port, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
 from test_equivalence import TOLERANCE
 from test_many import assert_each_model_matches_stock, assert_overlapped
 
@@ -23,10 +23,7 @@ CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m, s in
 
 
 def mpi_env(port: int) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
-    env.update(MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=f"{BIN}:{env['PATH']}")
-    return env
+    return {**launcher_env(), "MASTER_PORT": str(port)}
 
 
 def mpiexec(args, n, extra=()):
