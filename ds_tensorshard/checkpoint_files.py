@@ -1,18 +1,29 @@
-"""Checkpoint files written completely or not at all, each with a SHA-256 beside it.
+"""Checkpoint files: written completely or not at all, read without running code from them.
 
 A file is written to a temporary name, fsynced, then renamed over the target; its digest goes to
-``<file>.sha256`` the same way. Reading checks the digest (when there is one) before unpickling.
+``<file>.sha256`` the same way. Reading checks the digest (when there is one), then unpickles with
+``weights_only=True``: tensors, plain Python values and, for stock DeepSpeed files, the few
+DeepSpeed data types they hold (:data:`DEEPSPEED_TYPES`). Anything else is refused, naming the
+file and the type, before any of it is built.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
+import re
 from typing import Any, Callable
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 DIGEST_SUFFIX = ".sha256"
 _CHUNK = 1 << 22
+# Types stock DeepSpeed 0.19 puts in its checkpoints (loss scaler, ZeRO stage, slice addresses);
+# unpickling them only sets attributes. ds_tensorshard's own files need none of them.
+DEEPSPEED_TYPES = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 
 
 class CheckpointError(ValueError):
@@ -73,16 +84,48 @@ def verify(path: str) -> None:
             raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (SHA-256 differs from {digest_path})")
 
 
+def _refusal(path: str, err: Exception) -> CheckpointError:
+    found = re.search(r"GLOBAL ([\w.]+)|(?:got|for) <class '([\w.]+)'>", str(err))
+    what = next((g for g in found.groups() if g), None) if found else None
+    return CheckpointError(f"refusing to load checkpoint file {path}: it refers to {what or 'an unknown type'}, "
+                           "which is not a tensor, a plain Python value or one of DeepSpeed's checkpoint types "
+                           "(unpickling it could run code from the file)")
+
+
+def _torch_load(path: str, mmap: bool) -> Any:
+    with torch.serialization.safe_globals(list(DEEPSPEED_TYPES)):
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+
+
 def load(path: str) -> Any:
-    """Load a checkpoint file memory-mapped where its format allows; errors name the file."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
+    """Load a checkpoint file (memory-mapped where its format allows) without running code from it."""
+    for mmap in (True, False):
+        try:
+            return _torch_load(path, mmap)
+        except pickle.UnpicklingError as err:
+            raise _refusal(path, err) from None
+        except RuntimeError as err:
+            if mmap and "mmap" in str(err):
+                continue  # legacy (non-zip) serialization cannot be memory-mapped
             raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - unpickling errors come in many types
-        raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001
-        raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
+        except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways
+            raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
+    raise AssertionError("unreachable")
+
+
+def load_for_deepspeed(path: str, map_location: Any = None) -> Any:
+    """The checkpoint engine's ``load`` for ds_tensorshard engines: same safety as :func:`load`."""
+    value = load(path)
+    if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+        return _to(value, torch.device(map_location))
+    return value  # DeepSpeed's other map_location (``lambda storage, loc: storage``) leaves tensors as loaded
+
+
+def _to(value: Any, device: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, _to(v, device)) for k, v in value.items())  # keeps an OrderedDict ordered
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import uuid
 
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from .checkpoint_files import save_atomic, write_text_atomic
+from .checkpoint_files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, write_text_atomic
 from .checkpoint_sources import CHECKPOINT_ID_KEY, open_checkpoint
 from .config import TensorShardConfigError
+from .rank_file import parse_rank_file_name
 
 
 def _enabled(engine) -> bool:
@@ -35,8 +35,8 @@ def _shared_checkpoint_id() -> str:
 def _remove_stale_rank_files(folder: str, world_size: int) -> None:
     """Drop optimizer files of ranks >= world_size left by an earlier, larger save of the same tag."""
     for entry in os.listdir(folder):
-        match = re.match(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt(\.sha256)?$", entry)
-        if match and int(match.group(2)) >= world_size:
+        ranks = parse_rank_file_name(entry.removesuffix(DIGEST_SUFFIX))
+        if ranks is not None and ranks[0] >= world_size:
             os.remove(os.path.join(folder, entry))
 
 
@@ -92,11 +92,13 @@ def wrap_load_checkpoint(original):
         source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal)
         source.check_model(*self.optimizer.expected_checkpoint_layout())
         self._tensorshard_source = source
+        self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
             load_path, client_state = original(self, load_dir, resolved, load_module_strict, load_optimizer_states,
                                                load_lr_scheduler_states, load_module_only, custom_load_fn)
         finally:
             self._tensorshard_source = None
+            del self.checkpoint_engine.load
         if client_state:
             client_state.pop(CHECKPOINT_ID_KEY, None)
         return load_path, client_state

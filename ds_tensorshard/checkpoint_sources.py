@@ -15,30 +15,35 @@ import torch
 
 from . import checkpoint_files as files
 from .checkpoint_files import CheckpointError
+from .rank_file import RankFile, loss_scaler_fields, parse_rank_file_name, rank_file_name
 
-FORMAT_KEY = "ds_tensorshard_format"
-FORMAT_VERSION = 1
 CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
 MODEL_STATES = "mp_rank_00_model_states.pt"
-_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
 @dataclass
 class TensorState:
-    """One tensor's optimizer state as stored: fp32 master, Adam moments (None before the first step), step."""
+    """One tensor's optimizer state as stored: its fp32 master and the inner optimizer's state
+    (e.g. ``step``, ``exp_avg``, ``exp_avg_sq``; empty before the first step)."""
 
     master: torch.Tensor
-    exp_avg: Optional[torch.Tensor]
-    exp_avg_sq: Optional[torch.Tensor]
-    step: int
+    state: dict[str, Any]
 
 
 @dataclass
 class ScalerState:
-    loss_scaler: Any
+    loss_scaler: Optional[dict[str, Any]]  # plain fields (see rank_file.loss_scaler_fields)
     dynamic_loss_scale: bool
     overflow: bool
     clip_grad: float
+
+
+def _scaler_state(state: Mapping[str, Any]) -> ScalerState:
+    """Loss-scaler facts of a stock ZeRO or universal optimizer file."""
+    scaler = state.get("loss_scaler")
+    return ScalerState(loss_scaler_fields(scaler) if scaler is not None else None,
+                       bool(state.get("dynamic_loss_scale")), bool(state.get("overflow")),
+                       float(state.get("clip_grad", 0.0)))
 
 
 class CheckpointSource:
@@ -93,13 +98,14 @@ def _model_states(folder: str) -> dict:
 def _rank_files(folder: str, world_size: int) -> list[str]:
     found: dict[int, str] = {}
     for entry in sorted(os.listdir(folder)):
-        match = _RANK_FILE.match(entry)
-        if match and int(match.group(2)) < world_size:
-            found.setdefault(int(match.group(2)), os.path.join(folder, entry))
+        ranks = parse_rank_file_name(entry)
+        if ranks is not None and ranks[1] == 0 and ranks[0] < world_size:
+            found.setdefault(ranks[0], os.path.join(folder, entry))
     for rank in range(world_size):
         if rank not in found:
             raise CheckpointError(f"checkpoint {folder} was saved by {world_size} ranks but the optimizer file of "
-                                  f"rank {rank} (zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) is missing")
+                                  f"rank {rank} ({rank_file_name(rank, bf16=False)}, or with the bf16_ prefix) "
+                                  "is missing")
     return [found[r] for r in range(world_size)]
 
 
@@ -121,7 +127,7 @@ def _open(folder: str, model_states: dict, universal: bool) -> CheckpointSource:
         first = files.load(paths[0]).get("optimizer_state_dict")
         if not isinstance(first, Mapping):
             raise CheckpointError(f"{paths[0]} holds no optimizer state")
-        if FORMAT_KEY in first:
+        if RankFile.holds(first):
             source = TensorShardSource(folder, model_states, paths)
         elif "single_partition_of_fp32_groups" in first:
             source = ZeroSource(folder, model_states, paths)
@@ -141,33 +147,33 @@ class TensorShardSource(CheckpointSource):
         expected_id = model_states.get(CHECKPOINT_ID_KEY)
         self.where: dict[str, int] = {}
         for rank, path in enumerate(paths):
-            state = files.load(path)["optimizer_state_dict"]
-            version = state.get(FORMAT_KEY)
-            if not isinstance(version, int) or version > FORMAT_VERSION:
-                raise CheckpointError(f"{path} has ds_tensorshard format version {version!r}; this ds_tensorshard "
-                                      f"reads versions up to {FORMAT_VERSION}")
-            if state["checkpoint_id"] != expected_id:
+            saved = self._read(path)
+            if saved.checkpoint_id != expected_id:
                 raise CheckpointError(f"{path} comes from another save than {MODEL_STATES} in {folder} "
                                       "(an interrupted save); load an earlier tag")
-            if state["world_size"] != self.world_size or state["rank"] != rank:
-                raise CheckpointError(f"{path} was written as rank {state['rank']} of {state['world_size']}")
-            for name in state["tensors"]:
+            if saved.world_size != self.world_size or saved.rank != rank:
+                raise CheckpointError(f"{path} was written as rank {saved.rank} of {saved.world_size}")
+            for name in saved.tensors:
                 self.where[name] = rank
             if rank == 0:
-                self.group_names = [list(names) for names in state["group_names"]]
-                self.shapes = {n: tuple(s) for n, s in state["shapes"].items()}
-                self.param_groups = [dict(g) for g in state["param_groups"]]
-                self.scaler = ScalerState(state["loss_scaler"], state["dynamic_loss_scale"], state["overflow"],
-                                          state["clip_grad"])
+                self.group_names = saved.group_names
+                self.shapes = saved.shapes
+                self.param_groups = saved.param_groups
+                self.scaler = ScalerState(saved.loss_scaler or None, bool(saved.loss_scaler.get("dynamic")),
+                                          saved.overflow, saved.clip_grad)
         orphan = next((n for n in self.shapes if n not in self.where), None)
         if orphan is not None:
             raise CheckpointError(f"tensor '{orphan}' is in no rank file of checkpoint {folder}")
 
+    @staticmethod
+    def _read(path: str) -> RankFile:
+        return RankFile.from_dict(files.load(path)["optimizer_state_dict"], path)
+
     def tensor(self, name: str) -> TensorState:
-        entry = files.load(self.paths[self.where[name]])["optimizer_state_dict"]["tensors"][name]
-        clone = lambda t: None if t is None else t.clone()  # noqa: E731 - detach from the mapped file
-        return TensorState(clone(entry["master"]), clone(entry.get("exp_avg")), clone(entry.get("exp_avg_sq")),
-                           int(entry["step"]))
+        entry = dict(self._read(self.paths[self.where[name]]).tensors[name])
+        detach = lambda v: v.clone() if torch.is_tensor(v) else v  # noqa: E731 - off the mapped file
+        master = detach(entry.pop("master"))
+        return TensorState(master, {k: detach(v) for k, v in entry.items()})
 
 
 class ZeroSource(CheckpointSource):
@@ -193,8 +199,7 @@ class ZeroSource(CheckpointSource):
                 base = state["base_optimizer_state"]
                 # elastic_checkpoint files keep no hyper-parameters: the optimizer's own stay
                 self.param_groups = [_hyper(g) for g in base["param_groups"]] if isinstance(base, Mapping) else []
-                self.scaler = ScalerState(state.get("loss_scaler"), bool(state.get("dynamic_loss_scale")),
-                                          bool(state.get("overflow")), float(state.get("clip_grad", 0.0)))
+                self.scaler = _scaler_state(state)
                 self.paddings = state.get("param_alignment_paddings")
         self.offsets: dict[str, tuple[int, int]] = {}  # name -> (group, start in the group's flat buffer)
         for g, group in enumerate(param_shapes):
@@ -227,11 +232,11 @@ class ZeroSource(CheckpointSource):
         group_state = _base_state(first, g)
         master = self._flat_range(g, start, numel, lambda s, g: s["single_partition_of_fp32_groups"][g])
         if "exp_avg" not in group_state:
-            return TensorState(master.view(shape), None, None, 0)
-        moments = [self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k])
-                   for k in ("exp_avg", "exp_avg_sq")]
-        step = first.get("base_optimizer_state_step", group_state.get("step", 0))
-        return TensorState(master.view(shape), moments[0].view(shape), moments[1].view(shape), int(step))
+            return TensorState(master.view(shape), {})
+        state: dict[str, Any] = {k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape)
+                                 for k in ("exp_avg", "exp_avg_sq")}
+        state["step"] = _as_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
+        return TensorState(master.view(shape), state)
 
 
 def _base_state(state: Mapping, g: int) -> Mapping:
@@ -257,8 +262,7 @@ class UniversalSource(CheckpointSource):
         self.group_names = [list(group) for group in param_shapes]
         self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
         self.param_groups = [_hyper(g) for g in state["param_groups"]]
-        self.scaler = ScalerState(state.get("loss_scaler"), bool(state.get("dynamic_loss_scale")),
-                                  bool(state.get("overflow")), float(state.get("clip_grad", 0.0)))
+        self.scaler = _scaler_state(state)
         missing = next((n for n in self.shapes if not os.path.isfile(os.path.join(self.zero, n, "fp32.pt"))), None)
         if missing is not None:
             raise CheckpointError(f"universal checkpoint {folder} lacks {os.path.join(self.zero, missing, 'fp32.pt')}")
@@ -271,7 +275,16 @@ class UniversalSource(CheckpointSource):
         return (value["param"] if isinstance(value, Mapping) else value).clone().view(self.shapes[name])
 
     def tensor(self, name: str) -> TensorState:
+        state: dict[str, Any] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = self._part(name, key)
+            if value is not None:
+                state[key] = value
         step_path = os.path.join(self.zero, name, "step.pt")
-        step = files.load(step_path) if os.path.isfile(step_path) else 0
-        return TensorState(self._part(name, "fp32"), self._part(name, "exp_avg"), self._part(name, "exp_avg_sq"),
-                           int(step.item() if torch.is_tensor(step) else step))
+        if state:
+            state["step"] = _as_int(files.load(step_path)) if os.path.isfile(step_path) else 0
+        return TensorState(self._part(name, "fp32"), state)
+
+
+def _as_int(step: Any) -> int:
+    return int(step.item()) if torch.is_tensor(step) else int(step)

@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from .checkpoint_files import CheckpointError, save_atomic, write_text_atomic
-from .checkpoint_sources import (CHECKPOINT_ID_KEY, FORMAT_KEY, FORMAT_VERSION, MODEL_STATES, CheckpointSource,
-                                 open_checkpoint)
+from .checkpoint_sources import CHECKPOINT_ID_KEY, MODEL_STATES, CheckpointSource, open_checkpoint
 from .plan import plan_ownership
+from .rank_file import RankFile, rank_file_name, restore_loss_scaler
 
 
 def resolve(checkpoint_dir: str, tag: Optional[str] = None, universal: bool = False) -> tuple[str, str]:
@@ -54,15 +54,8 @@ def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: 
     return states
 
 
-def _scaler_fields(source: CheckpointSource) -> dict:
-    scaler = source.scaler
-    return {"loss_scaler": scaler.loss_scaler if scaler else None,
-            "dynamic_loss_scale": scaler.dynamic_loss_scale if scaler else False,
-            "overflow": scaler.overflow if scaler else False, "clip_grad": scaler.clip_grad if scaler else 0.0}
-
-
-def _rank_file(folder: str, rank: int, bf16: bool) -> str:
-    return os.path.join(folder, f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+def _rank_file(folder: str, rank: int, source: CheckpointSource) -> str:
+    return os.path.join(folder, rank_file_name(rank, _is_bf16(source)))
 
 
 def _is_bf16(source: CheckpointSource) -> bool:
@@ -77,18 +70,30 @@ def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int
     checkpoint_id = uuid.uuid4().hex
     plan = plan_ownership(((n, int(torch.Size(s).numel())) for n, s in source.shapes.items()), world_size)
     groups = source.param_groups or [{} for _ in source.group_names]
+    scaler = source.scaler
     for rank in range(world_size):
         tensors = {}
         for name in plan.names_of(rank):
-            state = source.tensor(name)
-            tensors[name] = {"master": state.master, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,
-                             "step": state.step}
-        save_atomic({"optimizer_state_dict": {
-            FORMAT_KEY: FORMAT_VERSION, "checkpoint_id": checkpoint_id, "world_size": world_size, "rank": rank,
-            "tensors": tensors, "group_names": source.group_names, "shapes": source.shapes,
-            "param_groups": groups, **_scaler_fields(source)}}, _rank_file(folder, rank, _is_bf16(source)))
+            saved = source.tensor(name)
+            tensors[name] = {"master": saved.master, **saved.state}
+        rank_file = RankFile(checkpoint_id=checkpoint_id, world_size=world_size, rank=rank, tensors=tensors,
+                             group_names=source.group_names, shapes=source.shapes, param_groups=groups,
+                             loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
+                             overflow=scaler.overflow if scaler else False,
+                             clip_grad=scaler.clip_grad if scaler else 0.0)
+        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, MODEL_STATES))
     write_text_atomic(os.path.join(dst, "latest"), tag)
+
+
+def _stock_scaler_fields(source: CheckpointSource) -> dict:
+    """The loss-scaler entries of a stock ZeRO optimizer file (DeepSpeed keeps the scaler object itself)."""
+    scaler = source.scaler
+    if scaler is None or not scaler.loss_scaler:
+        return {"loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
+                "clip_grad": scaler.clip_grad if scaler else 0.0}
+    return {"loss_scaler": restore_loss_scaler(scaler.loss_scaler, torch.float16),
+            "dynamic_loss_scale": scaler.dynamic_loss_scale, "overflow": scaler.overflow, "clip_grad": scaler.clip_grad}
 
 
 def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int) -> None:
@@ -113,9 +118,9 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
                     saved = source.tensor(name)
-                    step = saved.step if step is None else step
+                    step = saved.state.get("step") if step is None else step
                     for key in flats:
-                        value = getattr(saved, key)
+                        value = saved.master if key == "master" else saved.state.get(key)
                         if value is not None:
                             flats[key][a - lo:b - lo].copy_(value.reshape(-1)[a - offset:b - offset])
                 offset += numel
@@ -125,12 +130,12 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
             state[g] = {"step": step or 0, "exp_avg": flats["exp_avg"], "exp_avg_sq": flats["exp_avg_sq"]}
         hyper = source.param_groups or [{} for _ in group_layouts]
         save_atomic({"optimizer_state_dict": {
-            **_scaler_fields(source),
+            **_stock_scaler_fields(source),
             "base_optimizer_state": {"state": state, "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)]},
             "single_partition_of_fp32_groups": masters,
             "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
             "group_paddings": paddings, "partition_count": [world_size] * len(group_layouts),
-            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, _is_bf16(source)))
+            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, source))
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, MODEL_STATES))
     write_text_atomic(os.path.join(dst, "latest"), tag)
 

@@ -27,12 +27,13 @@ from deepspeed.utils import logger
 
 from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
-from .checkpoint_sources import FORMAT_KEY, FORMAT_VERSION, CheckpointSource
+from .checkpoint_sources import CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
 from .gather import Gather, gather_buckets
 from .many import joint_plan
 from .plan import OwnershipPlan, plan_ownership
+from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
 from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
 
@@ -203,21 +204,19 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's file: whole owned tensors keyed by name, plus what every rank shares."""
+        """This rank's file (a :class:`~ds_tensorshard.rank_file.RankFile`): whole owned tensors keyed by
+        name, plus what every rank shares."""
         tensors = {}
         for param, master in self.shard.masters.items():
-            state = self.optimizer.state.get(master, {})
-            tensors[self.names[param]] = {"master": master, "exp_avg": state.get("exp_avg"),
-                                          "exp_avg_sq": state.get("exp_avg_sq"), "step": _as_int(state.get("step", 0))}
-        return {
-            FORMAT_KEY: FORMAT_VERSION, "checkpoint_id": self.checkpoint_id,
-            "world_size": self.comm.world_size, "rank": self.comm.rank, "tensors": tensors,
-            "group_names": [[self.names[p] for p in group] for group in self.bit16_groups],
-            "shapes": {self.names[p]: tuple(p.shape) for p in self.params},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-            "loss_scaler": self.loss_scaler, "dynamic_loss_scale": self.dynamic_loss_scale,
-            "overflow": self.overflow, "clip_grad": self.clip_grad,
-        }
+            state = {k: _as_int(v) if k == "step" else v for k, v in self.optimizer.state.get(master, {}).items()}
+            tensors[self.names[param]] = {"master": master, **state}
+        return RankFile(
+            checkpoint_id=self.checkpoint_id, world_size=self.comm.world_size, rank=self.comm.rank, tensors=tensors,
+            group_names=[[self.names[p] for p in group] for group in self.bit16_groups],
+            shapes={self.names[p]: tuple(p.shape) for p in self.params},
+            param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            loss_scaler=loss_scaler_fields(self.loss_scaler), overflow=self.overflow,
+            clip_grad=self.clip_grad).to_dict()
 
     def expected_checkpoint_layout(self) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
         """Param-group membership and shapes, by name, that a checkpoint must match."""
@@ -232,16 +231,18 @@ class TensorShardOptimizer(ZeROOptimizer):
             saved = source.tensor(self.names[param])
             master.copy_(saved.master.view_as(master))
             self.optimizer.state.pop(master, None)
-            if load_optimizer_states and saved.exp_avg is not None:
-                self.optimizer.state[master] = {
-                    "step": saved.step if fused else torch.tensor(float(saved.step)),
-                    "exp_avg": saved.exp_avg.to(master.device).view_as(master).contiguous(),
-                    "exp_avg_sq": saved.exp_avg_sq.to(master.device).view_as(master).contiguous()}
+            if load_optimizer_states and saved.state:
+                state = {k: v.to(master.device).view_as(master).contiguous() if torch.is_tensor(v) else v
+                         for k, v in saved.state.items() if k != "step"}
+                step = int(saved.state.get("step", 0))
+                state["step"] = step if fused else torch.tensor(float(step))
+                self.optimizer.state[master] = state
         if load_optimizer_states:
             for group, saved_group in zip(self.optimizer.param_groups, source.param_groups):
                 group.update(saved_group)
-            if source.scaler is not None and source.scaler.loss_scaler is not None:
-                self.loss_scaler = source.scaler.loss_scaler
+            if source.scaler is not None and source.scaler.loss_scaler:
+                self.loss_scaler = restore_loss_scaler(source.scaler.loss_scaler, self.dtype)
+                self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
                 self.overflow = source.scaler.overflow
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import torch
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
-from ds_tensorshard.checkpoint_sources import FORMAT_KEY
+from ds_tensorshard.rank_file import FORMAT_KEY
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 from ranks import run_ranks, run_until_one_dies
 from tiny_gpt import TinyGPT
