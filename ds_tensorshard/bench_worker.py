@@ -1,11 +1,12 @@
 """One rank of one benchmark configuration (started by ``ds-tensorshard bench`` under mpiexec).
 
-Trains the GPT of :mod:`.examples.gpt` for ``--steps`` timed steps after ``--warmup`` steps and
+Trains the GPT of :mod:`.models` for ``--steps`` timed steps after ``--warmup`` steps and
 writes ``OUT/CONFIG.rankR.json``: per-step wall times split into forward+backward, reduce (time
 spent after backward finishing gradient reduction; reduction overlapped with backward counts in
 forward+backward), optimizer and gather, plus peak RSS, optimizer-state bytes and the bytes this
 rank sent through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and
-all-gather (n-1)/n of the full buffer, broadcast/reduce (n-1)/n).
+all-gather (n-1)/n of the full buffer; a reduce is sent once by every rank but its root, a
+broadcast once by every rank but the one before its root, the last of the ring).
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 SHARDED = ("ts_torch", "ts_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's configurations
 _SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
-_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
-            "all_gather_into_tensor": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
-            "reduce": lambda n: (n - 1) / n}
+_FACTORS = {"all_reduce": lambda n, root, me: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n, root, me: (n - 1) / n,
+            "all_gather_into_tensor": lambda n, root, me: (n - 1) / n,
+            "broadcast": lambda n, root, me: float(me != (root - 1) % n), "reduce": lambda n, root, me: float(me != root)}
 _FULL_BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
                 "reduce_scatter_tensor": "input", "all_gather_into_tensor": "output_tensor"}
+_ROOT = {"broadcast": "src", "reduce": "dst"}
 
 
 def _count_torch_collectives() -> None:
@@ -44,25 +46,26 @@ def _count_torch_collectives() -> None:
         @functools.wraps(original)
         def counted(*args, _original=original, _name=name, _factor=factor, _signature=signature, **kwargs):
             bound = _signature.bind(*args, **kwargs).arguments
-            n = tdist.get_world_size(bound.get("group")) if tdist.is_initialized() else 1
+            group = bound.get("group")
+            n = tdist.get_world_size(group) if tdist.is_initialized() else 1
+            me = tdist.get_rank(group) if tdist.is_initialized() else 0
+            root = tdist.get_group_rank(group, bound[_ROOT[_name]]) if _name in _ROOT and group is not None \
+                else bound.get(_ROOT.get(_name, ""), 0)
             tensor = bound[_FULL_BUFFER[_name]]
-            _SENT[_name] += _factor(n) * tensor.numel() * tensor.element_size()
+            _SENT[_name] += _factor(n, root, me) * tensor.numel() * tensor.element_size()
             return _original(*args, **kwargs)
         setattr(tdist, name, counted)
 
 
 def _count_mpi_collectives() -> None:
     from . import mpi_comm
-    for name, kind in (("start_reduce_scatter", "reduce_scatter"), ("start_all_gather", "all_gather"),
-                       ("all_reduce_sum", "all_reduce")):
+    for name, kind in (("start_reduce", "reduce"), ("start_broadcast", "broadcast"), ("all_reduce_sum", "all_reduce")):
         original = getattr(mpi_comm.MpiComm, name)
 
         @functools.wraps(original)
         def counted(self, tensor, *args, _original=original, _kind=kind):
-            n = self.world_size
-            total = sum(args[0]) if args else tensor.numel()  # counts for the segment-based calls
-            factor = 2 * (n - 1) / n if _kind == "all_reduce" else (n - 1) / n
-            _SENT["mpi_" + _kind] += factor * total * tensor.element_size()
+            factor = _FACTORS[_kind](self.world_size, args[0] if args else 0, self.rank)
+            _SENT["mpi_" + _kind] += factor * tensor.numel() * tensor.element_size()
             return _original(self, tensor, *args)
         setattr(mpi_comm.MpiComm, name, counted)
 
@@ -102,7 +105,7 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
 
 def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     """Optimizer state held beyond the model's own tensors."""
-    model_storage = {p.data_ptr() for p in model.parameters()}
+    model_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
     if name == "ddp_zero":
         tensors = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     else:
@@ -112,7 +115,7 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
         elif name in ("zero1", "zero2", "two_zero2"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
-    return sum(t.numel() * t.element_size() for t in tensors if t.data_ptr() not in model_storage)
+    return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
 
 RUN_ARGUMENTS = ("layers", "width", "vocab", "seq", "global_batch", "dtype", "steps", "warmup", "bucket_numel")
@@ -216,7 +219,7 @@ def main() -> None:
 
     from ds_tensorshard import gather
     from ds_tensorshard.comm import close_process_group
-    from ds_tensorshard.examples.gpt import GPT, synthetic_batch
+    from ds_tensorshard.models import GPT, synthetic_batch
     _count_mpi_collectives()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
     world, rank = tdist.get_world_size(), tdist.get_rank()

@@ -1,89 +1,138 @@
-"""Buckets: whole tensors of one dtype, laid out owner-major, moved by a single collective.
+"""Buckets: bounded windows of the gradient stream, grouped by owner inside.
 
-Per dtype, each rank's tensors are taken in backward order (reverse registration order), and each
-bucket takes about ``bucket_numel / world_size`` elements from every rank's queue. Inside a bucket
-the tensors are grouped by owner: segment ``r`` holds the tensors rank ``r`` owns, so one
-reduce-scatter leaves every owner its tensors' sums and one all-gather returns the updated
-tensors. Where each segment starts in the flat buffer is the transport's choice (see
-:mod:`.comm`); a bucket is packed into a flat buffer only while it is in flight.
+Per dtype, the owned units (whole tensors, or the blocks of split ones) are taken in backward
+order and cut into buckets of exactly ``bucket_numel`` elements (the last one per dtype less): a
+bucket holds gradients that backward produces at about the same time, and a large tensor travels
+in pieces over several buckets while its owner stays one rank. Inside a bucket the pieces are
+grouped by owner, owners ascending, back to back: segment ``r`` is what rank ``r`` receives
+reduced and later sends back updated. Segments have whatever size ownership gives them; the
+transports move them with per-owner collectives, so nothing is padded. A bucket is packed into a
+flat buffer only while it is in flight.
+
+Worked example: tensors ``a`` (6 elements, rank 1), ``b`` (4, rank 0), ``c`` (5, rank 1) in
+backward order, ``bucket_numel=8``: bucket 0 = [segment 0: b[0:2] | segment 1: a[0:6]], bucket 1 =
+[segment 0: b[2:4] | segment 1: c[0:5]] (7 elements).
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from .plan import Block
+
 
 @dataclass(frozen=True)
-class Bucket:
-    """Segment ``r`` holds the tensors rank ``r`` owns, back to back."""
+class Piece:
+    """Elements ``[start, stop)`` of a parameter's flattened storage."""
 
-    dtype: torch.dtype
-    device: torch.device
-    segments: tuple[tuple[torch.nn.Parameter, ...], ...]
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        """Elements in each rank's segment."""
-        return tuple(sum(p.numel() for p in segment) for segment in self.segments)
+    param: torch.nn.Parameter
+    start: int
+    stop: int
 
     @property
     def numel(self) -> int:
-        return sum(self.counts)
+        return self.stop - self.start
 
-    def views(self, rank: int, segment: torch.Tensor) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """``(param, view shaped like param)`` for rank ``rank``'s tensors inside its flat ``segment``."""
-        offset = 0
-        for param in self.segments[rank]:
-            yield param, segment[offset:offset + param.numel()].view(param.shape)
-            offset += param.numel()
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The same elements of a contiguous tensor shaped like the parameter (its data or gradient), as a view."""
+        return tensor.view(-1)[self.start:self.stop]
 
-    def pack(self, tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]], starts: Sequence[int],
-             total: int) -> torch.Tensor:
-        """A flat buffer of ``total`` elements with segment ``r`` at ``starts[r]`` (zeros where nothing is)."""
-        flat = torch.zeros(total, dtype=self.dtype, device=self.device)
-        for rank, start in enumerate(starts):
-            for param, view in self.views(rank, flat[start:start + self.counts[rank]]):
-                source = tensor_of(param)
-                if source is not None:
-                    view.copy_(source)
+
+@dataclass(frozen=True)
+class Segment:
+    """The pieces one rank owns in a bucket, at ``offset`` of the bucket's flat buffer."""
+
+    owner: int
+    offset: int
+    numel: int
+    pieces: tuple[Piece, ...]
+
+    def views(self, flat_segment: torch.Tensor) -> Iterator[tuple[Piece, torch.Tensor]]:
+        """``(piece, its part of flat_segment)`` for each piece, in order."""
+        position = 0
+        for piece in self.pieces:
+            yield piece, flat_segment[position:position + piece.numel]
+            position += piece.numel
+
+
+@dataclass(frozen=True, eq=False)
+class Bucket:
+    """Segments of one dtype, owners ascending, back to back in a flat buffer of ``numel`` elements."""
+
+    dtype: torch.dtype
+    device: torch.device
+    segments: tuple[Segment, ...]
+    numel: int
+    params: tuple[torch.nn.Parameter, ...]
+    """Every parameter with a piece here: the bucket can start once all of their gradients are final."""
+
+    def segment_of(self, rank: int) -> Optional[Segment]:
+        return next((s for s in self.segments if s.owner == rank), None)
+
+    def pack(self, tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]) -> torch.Tensor:
+        """The bucket's flat buffer from one tensor per parameter (zeros where there is none)."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        for segment in self.segments:
+            for piece, view in segment.views(flat[segment.offset:segment.offset + segment.numel]):
+                source = tensor_of(piece.param)
+                if source is None:
+                    view.zero_()
+                else:
+                    view.copy_(piece.of(source))
         return flat
 
-    def pack_segment(self, rank: int, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor]) -> torch.Tensor:
-        """Rank ``rank``'s segment alone, as a flat buffer."""
-        flat = torch.empty(self.counts[rank], dtype=self.dtype, device=self.device)
-        for param, view in self.views(rank, flat):
-            view.copy_(tensor_of(param))
-        return flat
+    def pieces(self) -> Iterator[Piece]:
+        for segment in self.segments:
+            yield from segment.pieces
 
 
-def build_buckets(params: Sequence[torch.nn.Parameter], owner_of: Callable[[torch.nn.Parameter], int],
-                  world_size: int, bucket_numel: int) -> list[Bucket]:
-    """Cut ``params`` (given in registration order) into owner-major buckets with balanced segments.
+@dataclass(frozen=True)
+class _Unit:
+    param: torch.nn.Parameter
+    owner: int
+    start: int
+    stop: int
 
-    Per dtype, each rank's tensors form a queue in backward order; every bucket takes from the head
-    of each queue as long as that brings the segment closer to ``bucket_numel / world_size`` elements
-    (or to the largest head tensor, if larger), so segments are about equal (little padding for
-    equal-size collectives) and every bucket holds gradients that backward produces at about the
-    same time.
-    """
-    queues: dict[torch.dtype, list[deque]] = {}
-    for param in reversed(params):
-        queues.setdefault(param.dtype, [deque() for _ in range(world_size)])[owner_of(param)].append(param)
+
+def build_buckets(params: Sequence[torch.nn.Parameter], blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]],
+                  bucket_numel: int) -> list[Bucket]:
+    """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype."""
+    streams: dict[torch.dtype, list[_Unit]] = {}
+    for param in params:
+        for block in blocks_of(param):
+            if block.numel:
+                streams.setdefault(param.dtype, []).append(_Unit(param, block.rank, block.start, block.stop))
     buckets = []
-    for dtype, per_rank in queues.items():
-        while any(per_rank):
-            target = max([bucket_numel // world_size] + [q[0].numel() for q in per_rank if q])
-            segments = []
-            for queue in per_rank:
-                taken, filled = [], 0
-                # take the next tensor while that brings the segment closer to the target size
-                while queue and abs(filled + queue[0].numel() - target) < abs(filled - target):
-                    filled += queue[0].numel()
-                    taken.append(queue.popleft())
-                segments.append(tuple(taken))
-            device = next(p for segment in segments for p in segment).device
-            buckets.append(Bucket(dtype=dtype, device=device, segments=tuple(segments)))
+    for dtype, units in streams.items():
+        window: list[Piece] = []
+        owners: list[int] = []
+        filled = 0
+        for unit in units:
+            start = unit.start
+            while start < unit.stop:
+                stop = min(unit.stop, start + bucket_numel - filled)
+                window.append(Piece(unit.param, start, stop))
+                owners.append(unit.owner)
+                filled += stop - start
+                start = stop
+                if filled == bucket_numel:
+                    buckets.append(_bucket(dtype, window, owners))
+                    window, owners, filled = [], [], 0
+        if window:
+            buckets.append(_bucket(dtype, window, owners))
     return buckets
+
+
+def _bucket(dtype: torch.dtype, pieces: list[Piece], owners: list[int]) -> Bucket:
+    by_owner: dict[int, list[Piece]] = {}
+    for piece, owner in zip(pieces, owners):
+        by_owner.setdefault(owner, []).append(piece)
+    segments, offset = [], 0
+    for owner in sorted(by_owner):
+        numel = sum(p.numel for p in by_owner[owner])
+        segments.append(Segment(owner, offset, numel, tuple(by_owner[owner])))
+        offset += numel
+    params = tuple({id(p.param): p.param for p in pieces}.values())
+    return Bucket(dtype=dtype, device=pieces[0].param.device, segments=tuple(segments), numel=offset, params=params)

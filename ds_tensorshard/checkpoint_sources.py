@@ -6,8 +6,8 @@ no more than one tensor's state is held beyond what the caller keeps.
 """
 from __future__ import annotations
 
+import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -145,7 +145,7 @@ class TensorShardSource(CheckpointSource):
     def __init__(self, folder: str, model_states: Mapping, paths: list[str]) -> None:
         self.folder, self.paths, self.world_size = folder, paths, len(paths)
         expected_id = model_states.get(CHECKPOINT_ID_KEY)
-        self.where: dict[str, int] = {}
+        self.where: dict[str, list[int]] = {}
         for rank, path in enumerate(paths):
             saved = self._read(path)
             if saved.checkpoint_id != expected_id:
@@ -154,7 +154,7 @@ class TensorShardSource(CheckpointSource):
             if saved.world_size != self.world_size or saved.rank != rank:
                 raise CheckpointError(f"{path} was written as rank {saved.rank} of {saved.world_size}")
             for name in saved.tensors:
-                self.where[name] = rank
+                self.where.setdefault(name, []).append(rank)
             if rank == 0:
                 self.group_names = saved.group_names
                 self.shapes = saved.shapes
@@ -170,10 +170,25 @@ class TensorShardSource(CheckpointSource):
         return RankFile.from_dict(files.load(path)["optimizer_state_dict"], path)
 
     def tensor(self, name: str) -> TensorState:
-        entry = dict(self._read(self.paths[self.where[name]]).tensors[name])
-        detach = lambda v: v.clone() if torch.is_tensor(v) else v  # noqa: E731 - off the mapped file
-        master = detach(entry.pop("master"))
-        return TensorState(master, {k: detach(v) for k, v in entry.items()})
+        """The whole tensor's state, assembled from its blocks where the saving plan split it."""
+        shape = self.shapes[name]
+        numel = math.prod(shape)
+        master, state, covered = torch.empty(numel, dtype=torch.float32), {}, 0
+        for rank in self.where[name]:
+            entry = dict(self._read(self.paths[rank]).tensors[name])
+            start, stop = entry.pop("block", (0, numel))
+            covered += stop - start
+            master[start:stop].copy_(entry.pop("master").reshape(-1))
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.numel() == stop - start and (start, stop) != (0, numel):
+                    state.setdefault(key, torch.empty(numel, dtype=value.dtype))[start:stop].copy_(value.reshape(-1))
+                elif key not in state:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+        if covered != numel:
+            raise CheckpointError(f"the blocks of tensor '{name}' in checkpoint {self.folder} cover {covered} of its "
+                                  f"{numel} elements")
+        return TensorState(master.view(shape), {k: v.view(shape) if torch.is_tensor(v) and v.numel() == numel else v
+                                                for k, v in state.items()})
 
 
 class ZeroSource(CheckpointSource):

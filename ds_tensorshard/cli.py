@@ -3,44 +3,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from typing import Sequence
 
-from .plan import OwnershipPlan, plan_ownership
+from .models import PRESET_NAMES
+
+GPT_SIZE_KEYS = ("vocab", "seq", "width", "layers", "heads")
 
 
-def _model_tensors(args: argparse.Namespace) -> list[tuple[str, int]]:
+def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]:
     if args.checkpoint:
         from .checkpoint_sources import open_checkpoint
         from .convert import resolve
         source = open_checkpoint(resolve(args.checkpoint, args.tag)[0])
-        return [(name, int(math.prod(shape))) for name, shape in source.shapes.items()]
-    from .examples.gpt import PRESETS, build
-    overrides = {k: getattr(args, k) for k in PRESETS["demo"] if getattr(args, k) is not None}
-    model = build(args.preset, device="meta", **overrides)
-    return [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
-
-
-def _plan_report(plan: OwnershipPlan, tensors: list[tuple[str, int]]) -> dict:
-    largest = max(tensors, key=lambda t: t[1])
-    return {"world_size": plan.world_size, "tensors": len(tensors), "total_numel": plan.total_numel,
-            "numel_per_rank": list(plan.numel_per_rank), "largest_tensor": {"name": largest[0], "numel": largest[1]},
-            "imbalance": round(plan.imbalance, 6), "imbalance_bound": round(plan.imbalance_bound, 6)}
+        return [(name, tuple(shape)) for name, shape in source.shapes.items()]
+    from .models import hf_config_shapes, preset_shapes
+    if args.model_config:
+        return hf_config_shapes(args.model_config)
+    overrides = {k: getattr(args, k) for k in GPT_SIZE_KEYS if getattr(args, k) is not None}
+    return preset_shapes(args.preset, **overrides)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    tensors = _model_tensors(args)
-    reports = [_plan_report(plan_ownership(tensors, n), tensors) for n in args.world_size]
+    from .config import DEFAULT_BUCKET_NUMEL
+    from .plan_report import format_report, plan_report
+    shapes = _model_shapes(args)
+    reports = [plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors)
+               for n in args.world_size]
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
-    for r in reports:
-        print(f"world size {r['world_size']}: {r['tensors']} tensors, {r['total_numel']:,} elements; "
-              f"largest {r['largest_tensor']['name']} ({r['largest_tensor']['numel']:,}); "
-              f"imbalance (fullest / ideal) {r['imbalance']:.4f}, best possible {r['imbalance_bound']:.4f}")
-        for rank, numel in enumerate(r["numel_per_rank"]):
-            print(f"  rank {rank}: {numel:,}")
+    for report in reports:
+        print("\n".join(format_report(report)))
     return 0
 
 
@@ -69,14 +65,18 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-tensorshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="ownership plan of a GPT-style model or a checkpoint at given world sizes")
-    plan.add_argument("--checkpoint", help="plan the tensors of this checkpoint (save dir or tag folder)")
+    plan = sub.add_parser("plan", help="ownership plan, buckets and wire volume of a model at given world sizes")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="gpt2-small", choices=PRESET_NAMES, help="model shape (default gpt2-small)")
+    source.add_argument("--model-config", help="a Hugging Face config.json of a Llama-style model")
+    source.add_argument("--checkpoint", help="plan the tensors of this checkpoint (save dir or tag folder)")
     plan.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
-    plan.add_argument("--preset", default="gpt2-small", choices=["demo", "gpt2-small"],
-                      help="model shape (default gpt2-small)")
-    for key in ("vocab", "seq", "width", "layers", "heads"):
-        plan.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
+    for key in GPT_SIZE_KEYS:
+        plan.add_argument(f"--{key}", type=int, help=f"override a GPT preset's {key}")
     plan.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
+    plan.add_argument("--split-tensors", choices=["auto", "never"], default="auto",
+                      help="tensorshard.split_tensors (default auto); 'never' is always reported beside it")
+    plan.add_argument("--bucket-numel", type=int, help="elements per bucket (default 4,000,000)")
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)
 
@@ -102,13 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _logs_to_stderr() -> None:
+    """DeepSpeed logs to stdout; the commands print their results there (``--json`` for scripts)."""
+    from deepspeed.utils import logger
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _logs_to_stderr()
     from .checkpoint_files import CheckpointError
     from .config import TensorShardConfigError
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, TensorShardConfigError, OSError) as err:
+    except (CheckpointError, TensorShardConfigError, OSError, ValueError) as err:
         print(f"ds-tensorshard {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,14 +1,15 @@
 """Transports for the data path. ``TorchComm`` uses deepspeed.comm (gloo on CPU, NCCL on GPU).
 
-A transport decides where each rank's segment of a bucket sits in the flat buffer
-(:meth:`layout`), sums a flat buffer over ranks leaving each rank its own segment
-(:meth:`start_reduce_scatter`), and assembles everyone's segments (:meth:`start_all_gather`);
-both return a :class:`Pending` so that communication can run while the caller computes. Ranks
-are ranks within the data-parallel group.
+A transport offers two collectives on one contiguous tensor, both rooted at an owner rank and
+both non-blocking (they return a :class:`Pending`, so communication runs while the caller
+computes): :meth:`~TorchComm.start_reduce` sums the tensor over the ranks into the owner's copy,
+:meth:`~TorchComm.start_broadcast` copies the owner's tensor to every rank. The data path calls
+them once per owner present in a bucket, so a segment of any size travels without padding.
+Ranks are ranks within the data-parallel group. Every transport satisfies :class:`Transport`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol
 
 import torch
 from deepspeed import comm as dist
@@ -26,38 +27,38 @@ class Pending:
         return self._result
 
 
-class TorchComm:
-    """deepspeed.comm collectives; segments are padded to the largest one (equal-size collectives)."""
+class Transport(Protocol):
+    """What the data path needs from a transport."""
 
-    def __init__(self, group) -> None:
+    rank: int
+    world_size: int
+
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
+        """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""
+
+    def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        """Start copying rank ``owner``'s ``tensor`` into every rank's ``tensor``."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over ranks, in place, on every rank."""
+
+
+class TorchComm:
+    """deepspeed.comm collectives over the data-parallel group."""
+
+    def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
+        self.global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
 
-    def layout(self, counts: Sequence[int]) -> tuple[list[int], int]:
-        """Start of each rank's segment, and the flat buffer's length."""
-        width = max(counts)
-        return [r * width for r in range(self.world_size)], width * self.world_size
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
+        work = dist.reduce(tensor, dst=self.global_ranks[owner], group=self.group, async_op=True)
+        return Pending(work.wait, tensor)
 
-    def start_reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> Pending:
-        """Start summing ``flat`` (laid out by :meth:`layout`) over ranks; the result is this rank's segment."""
-        out = torch.empty(max(counts), dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
-        return Pending(lambda: (work.wait(), out[:counts[self.rank]])[1], flat)
-
-    def start_all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> Pending:
-        """Start gathering every rank's segment into the flat layout of :meth:`layout`."""
-        width = max(counts)
-        padded = segment if segment.numel() == width else torch.cat([segment, segment.new_zeros(width - segment.numel())])
-        flat = torch.empty(width * self.world_size, dtype=segment.dtype, device=segment.device)
-        work = dist.all_gather_into_tensor(flat, padded, group=self.group, async_op=True)
-        return Pending(lambda: (work.wait(), flat)[1], padded)
-
-    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return self.start_reduce_scatter(flat, counts).wait()
-
-    def all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return self.start_all_gather(segment, counts).wait()
+    def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        work = dist.broadcast(tensor, src=self.global_ranks[owner], group=self.group, async_op=True)
+        return Pending(work.wait, tensor)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)

@@ -32,9 +32,14 @@ class TensorShardConfig(BaseModel):
     """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU),
     ``"mpi"`` = mpi4py (uneven Reduce_scatter/Allgatherv, no padding)."""
 
+    split_tensors: Literal["auto", "never"] = "auto"
+    """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest
+    rank above 1.02x the ideal) is owned in dim-0 blocks, each by one rank, only as many as needed;
+    ``"never"``: every tensor is owned whole (the best whole-tensor balance)."""
+
     bucket_numel: Optional[int] = Field(default=None, gt=0)
-    """Elements per communication bucket; ``null`` takes ``zero_optimization.reduce_bucket_size`` where the
-    config sets it, else 4,000,000."""
+    """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
+    ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else 4,000,000."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
@@ -117,10 +122,10 @@ MAPPED_ZERO_KEYS = {
 }
 IGNORED_ZERO_KEYS = {
     "allgather_bucket_size": "parameters are gathered with the reduce buckets",
-    "overlap_comm": "reduction runs after backward",
+    "overlap_comm": "reductions always start from gradient hooks during backward",
     "contiguous_gradients": "buckets are packed contiguously anyway",
     "round_robin_gradients": "ownership comes from the balanced plan",
-    "allgather_partitions": "updated tensors are broadcast from their owners",
+    "allgather_partitions": "each owner broadcasts its updated pieces, bucket by bucket",
 }
 
 

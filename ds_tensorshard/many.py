@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional, Sequence
+import json
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import deepspeed
 from deepspeed import comm as dist
@@ -46,6 +47,10 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
     """``deepspeed.initialize(**item)`` for each item, their TensorShardOptimizers sharing one plan
     balanced over the union of all the models' trainable tensors."""
     deepspeed.init_distributed()
+    modes = {_split_mode(item) for item in items}
+    if len(modes) > 1:
+        raise ValueError(f"initialize_many plans all models at once, but their configs set 'tensorshard.split_tensors' "
+                         f"differently ({sorted(modes)}); give them the same value")
     tensors, names = [], {}
     for index, item in enumerate(items):
         if "model" not in item:
@@ -53,11 +58,21 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
         for name, param in item["model"].named_parameters():
             if param.requires_grad:
                 key = f"{index}/{name}"
-                tensors.append((key, param.numel()))
+                tensors.append((key, tuple(param.shape)))
                 names[id(param)] = key
-    plan = plan_ownership(tensors, dist.get_world_size(), param_names=names)
+    plan = plan_ownership(tensors, dist.get_world_size(), param_names=names, split=modes.pop())
     with _sharing(plan):
         return [deepspeed.initialize(**item) for item in items]
+
+
+def _split_mode(item: Mapping[str, Any]) -> str:
+    """``tensorshard.split_tensors`` of one item's config (a dict or a JSON file)."""
+    config = item.get("config", item.get("config_params"))
+    if isinstance(config, str):
+        with open(config) as f:
+            config = json.load(f)
+    block = (config or {}).get("tensorshard") or {} if isinstance(config, Mapping) else {}
+    return block.get("split_tensors", "auto") if isinstance(block, Mapping) else "auto"
 
 
 def step_many(engines: Sequence[Any]) -> None:

@@ -1,14 +1,13 @@
 """``"comm_backend": "mpi"``: the data path's collectives through mpi4py.
 
-Segments are packed back to back and moved with ``Reduce_scatter`` (with counts) and
-``Allgatherv`` (their non-blocking forms, so communication overlaps computation), so no padding is sent. CPU tensors are handed to MPI as numpy views (no copy).
+Each owner's segment of a bucket is moved with ``Ireduce`` to the owner and ``Ibcast`` from it
+(non-blocking, so communication overlaps computation); nothing is padded. CPU tensors are handed
+to MPI as numpy views (no copy).
 bf16/fp16 travel as raw 16-bit words; their sums run in fp32 inside a user-defined MPI op (MPI has
 no bf16 sum). CUDA tensors go to MPI directly where mpi4py reports a CUDA-aware MPI, and through
 host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 from deepspeed import comm as dist
@@ -74,15 +73,16 @@ class MpiComm:
         self.cuda_aware = _cuda_aware()
 
     # -- buffers ------------------------------------------------------------------------------
-    def _spec(self, tensor: torch.Tensor, counts=None):
+    def _spec(self, tensor: torch.Tensor):
         """An mpi4py buffer spec for a contiguous tensor (numpy view on CPU, the tensor itself on CUDA)."""
         MPI = _mpi()
         if tensor.dtype in _HALF:
             data, mpi_type = tensor.view(torch.int16), MPI.SHORT
         else:
-            data, mpi_type = tensor, {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}[tensor.dtype]
+            data, mpi_type = tensor, {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+                                      torch.int64: MPI.INT64_T}[tensor.dtype]
         buf = data if data.is_cuda else data.numpy()
-        return [buf, mpi_type] if counts is None else [buf, counts, mpi_type]
+        return [buf, mpi_type]
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
         global _warned_staging
@@ -95,36 +95,26 @@ class MpiComm:
         return tensor
 
     # -- the transport interface ------------------------------------------------------------------
-    def layout(self, counts: Sequence[int]) -> tuple[list[int], int]:
-        """Segments back to back: no padding."""
-        starts, total = [], 0
-        for count in counts:
-            starts.append(total)
-            total += count
-        return starts, total
-
-    def start_reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> Pending:
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         MPI = _mpi()
-        device = flat.device
-        send = self._host(flat)
-        out = torch.empty(counts[self.rank], dtype=send.dtype, device=send.device)
-        op = _sum16(send.dtype) if send.dtype in _HALF else MPI.SUM
-        request = self.mpi.Ireduce_scatter(self._spec(send), self._spec(out), recvcounts=list(counts), op=op)
-        return Pending(lambda: (request.Wait(), out.to(device))[1], send, out)
+        host = self._host(tensor)
+        op = _sum16(host.dtype) if host.dtype in _HALF else MPI.SUM
+        if self.rank == owner:
+            request = self.mpi.Ireduce(MPI.IN_PLACE, self._spec(host), op=op, root=owner)
+        else:
+            request = self.mpi.Ireduce(self._spec(host), None, op=op, root=owner)
+        return Pending(lambda: (request.Wait(), self._back(host, tensor, self.rank == owner))[1], host)
 
-    def start_all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> Pending:
-        device = segment.device
-        send = self._host(segment.contiguous())
-        starts, total = self.layout(counts)
-        flat = torch.empty(total, dtype=send.dtype, device=send.device)
-        request = self.mpi.Iallgatherv(self._spec(send), self._spec(flat, (list(counts), starts)))
-        return Pending(lambda: (request.Wait(), flat.to(device))[1], send, flat)
+    def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        host = self._host(tensor)
+        request = self.mpi.Ibcast(self._spec(host), root=owner)
+        return Pending(lambda: (request.Wait(), self._back(host, tensor, self.rank != owner))[1], host)
 
-    def reduce_scatter(self, flat: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return self.start_reduce_scatter(flat, counts).wait()
-
-    def all_gather(self, segment: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        return self.start_all_gather(segment, counts).wait()
+    @staticmethod
+    def _back(host: torch.Tensor, tensor: torch.Tensor, received: bool) -> None:
+        """Copy a staged result back to the device tensor."""
+        if received and host is not tensor:
+            tensor.copy_(host)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         host = self._host(tensor)

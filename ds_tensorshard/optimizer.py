@@ -1,8 +1,10 @@
 """TensorShardOptimizer: the ZeRO-1/2 replacement that DeepSpeed's unmodified engine drives.
 
-Data path, one file per step: :mod:`.plan` (whole tensors -> balanced sets) -> :mod:`.buckets`
-(owner-major flat buffers) -> :mod:`.reduce` (mean onto the owner, one collective per bucket) ->
-:mod:`.update` (Adam on owned fp32 masters) -> :mod:`.gather` (owners send updated tensors back).
+Data path, one file per step: :mod:`.plan` (tensors -> balanced sets, each tensor owned whole or,
+if it cannot fit, in dim-0 blocks) -> :mod:`.buckets` (bounded windows of the gradient stream,
+grouped by owner) -> :mod:`.reduce` (mean onto the owner, one reduce per owner in a bucket) ->
+:mod:`.update` (the inner optimizer on owned fp32 masters) -> :mod:`.gather` (owners broadcast
+updated pieces back).
 
 Example (one process; with more ranks every rank runs the same lines)::
 
@@ -67,9 +69,10 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
-        self.plan = joint_plan() or plan_ownership(((self.names[p], p.numel()) for p in self.params),
+        self.plan = joint_plan() or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
                                                    self.comm.world_size,
-                                                   param_names={id(p): name for p, name in self.names.items()})
+                                                   param_names={id(p): name for p, name in self.names.items()},
+                                                   split=config.split_tensors)
         _check_plan_covers(self.plan, self.params, self.comm.world_size)
         # an engine of initialize_many leaves its last reductions in flight after backward, to run
         # during the next model's backward; its step() (or zero_grad()) completes them
@@ -79,19 +82,21 @@ class TensorShardOptimizer(ZeROOptimizer):
         self._prepared: tuple[bool, float] | None = None  # (overflow, combined unscale-and-clip factor)
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
-        self.shard = OwnedShard(init_optimizer, [[p for p in group if self.plan.owner(p) == rank]
-                                                 for group in self.bit16_groups], engine.get_data_types()[1], engine.device)
-        self.buckets = build_buckets(self.params, self.plan.owner, self.comm.world_size,
-                                     bucket_numel(config, engine._config._param_dict))
-        self.reducer = OverlappedReducer(self.buckets, self.comm, self.averaging, self._deliver)
+        owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
+        self.shard = OwnedShard(init_optimizer, owned, engine.get_data_types()[1], engine.device)
+        self.bucket_numel = bucket_numel(config, engine._config._param_dict)
+        self.reducer = OverlappedReducer(self._build_buckets(list(reversed(self.params))), self.comm, self.averaging,
+                                         self._deliver, self.params, self.names.__getitem__, self._build_buckets)
         for param in self.params:  # a model given to a new engine drops the previous engine's hook
             previous = getattr(param, "_tensorshard_hook", None)
             if previous is not None:
                 previous.remove()
             param._tensorshard_hook = param.register_post_accumulate_grad_hook(self._gradient_ready)
         if engine.global_rank == 0:
-            logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors in "
-                        f"{len(self.buckets)} buckets, elements per rank {list(self.plan.numel_per_rank)}; "
+            split = self.plan.split
+            logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
+                        f"({len(split)} split into dim-0 blocks) in {len(self.buckets)} buckets of at most "
+                        f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
                         f"{describe_zero_mapping(engine._config._param_dict)}")
 
     def _init_loss_scaling(self, engine: Any) -> None:
@@ -102,6 +107,14 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.custom_loss_scaler = False
         self.external_loss_scale = None
         self.torch_autocast_gradscaler = None
+
+    def _build_buckets(self, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
+        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The communication buckets, in the order reductions start (backward's, once it has been seen)."""
+        return self.reducer.buckets
 
     # -- what the engine reads ------------------------------------------------------------------
     @property
@@ -142,8 +155,8 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.reducer.gradient_ready(param)
 
     def _deliver(self, bucket: Bucket, segment: torch.Tensor) -> None:
-        for param, grad in bucket.views(self.comm.rank, segment):
-            self.shard.accumulate(param, grad)
+        for piece, grad in bucket.segment_of(self.comm.rank).views(segment):
+            self.shard.accumulate(piece, grad)
 
     # -- update and gather ----------------------------------------------------------------------
     @torch.no_grad()
@@ -210,6 +223,9 @@ class TensorShardOptimizer(ZeROOptimizer):
         for param, master in self.shard.masters.items():
             state = {k: _as_int(v) if k == "step" else v for k, v in self.optimizer.state.get(master, {}).items()}
             tensors[self.names[param]] = {"master": master, **state}
+            if not self.shard.is_whole(param):
+                block = self.shard.blocks[param]
+                tensors[self.names[param]]["block"] = [block.start, block.stop]
         return RankFile(
             checkpoint_id=self.checkpoint_id, world_size=self.comm.world_size, rank=self.comm.rank, tensors=tensors,
             group_names=[[self.names[p] for p in group] for group in self.bit16_groups],
@@ -229,10 +245,12 @@ class TensorShardOptimizer(ZeROOptimizer):
         fused = type(self.optimizer).__name__ == "FusedAdam"
         for param, master in self.shard.masters.items():
             saved = source.tensor(self.names[param])
-            master.copy_(saved.master.view_as(master))
+            block = self.shard.blocks[param]
+            own = lambda t: t.reshape(-1)[block.start:block.stop].view_as(master)  # noqa: E731 - this rank's block
+            master.copy_(own(saved.master))
             self.optimizer.state.pop(master, None)
             if load_optimizer_states and saved.state:
-                state = {k: v.to(master.device).view_as(master).contiguous() if torch.is_tensor(v) else v
+                state = {k: own(v).to(master.device).contiguous() if torch.is_tensor(v) else v
                          for k, v in saved.state.items() if k != "step"}
                 step = int(saved.state.get("step", 0))
                 state["step"] = step if fused else torch.tensor(float(step))
@@ -291,6 +309,11 @@ def _in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Mod
     """The trainable parameters of ``groups`` in the module's registration order."""
     in_groups = {p for group in groups for p in group}
     ordered = [p for p in module.parameters() if p in in_groups]
+    strided = next((p for p in ordered if not p.is_contiguous()), None)
+    if strided is not None:
+        name = next(n for n, p in module.named_parameters() if p is strided)
+        raise ValueError(f"parameter '{name}' is not contiguous (strides {strided.stride()}); ds_tensorshard moves "
+                         "parameters as flat storage: make it contiguous before deepspeed.initialize")
     if len(ordered) != len(in_groups):
         stray = next(p for group in groups for p in group if p not in set(ordered))
         raise ValueError(f"an optimizer parameter of shape {tuple(stray.shape)} is not a parameter of the model given "

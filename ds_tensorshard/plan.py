@@ -1,48 +1,102 @@
-"""Ownership plan: whole tensors split into one balanced set per rank (patent claim 5).
+"""Ownership plan: tensors split into one balanced set per rank, each owned whole where it can be.
 
-Every tensor is owned whole by exactly one rank. Tensors are placed largest first, each on the
-rank with the fewest elements so far (ties: the lower rank); tensors of equal size are taken in
-name order. The inputs are sorted before planning, so the plan depends only on the (name, numel)
-pairs and the world size, never on dict or hash order: every rank computes the same plan.
+Tensors are placed largest first, each on the rank with the fewest elements so far (ties: the
+lower rank; tensors of equal size in name order). The inputs are sorted before planning, so the
+plan depends only on the (name, shape) pairs, the world size and the options, never on dict or
+hash order: every rank computes the same plan.
 
-Worked example, two ranks, tensors ``a``: 6, ``b``: 4, ``c``: 3, ``d``: 3 elements::
+``split="never"`` stops there: every tensor is owned whole by one rank. ``split="auto"`` (the
+default) keeps that plan whenever its fullest rank holds at most :data:`TARGET_IMBALANCE` times
+the ideal ``total / world_size``. Otherwise it plans again, placing each tensor whole on the
+emptiest rank as long as that rank stays within :data:`TARGET_IMBALANCE` times the ideal; a tensor
+that does not fit is cut into dim-0 blocks (whole rows), each owned whole by one rank, the first
+filling the emptiest rank to :data:`FILL` times the ideal (to the nearest whole row), the next the
+then emptiest, and so on, so only as many blocks as needed. Tensors named
+in ``unsplittable`` (those of optimizers that need a whole matrix) are never cut.
+
+Worked example, two ranks, tensors ``a``: 6, ``b``: 4, ``c``: 3, ``d``: 3 elements, ``split="never"``::
 
     a -> rank 0 (loads 6, 0)
     b -> rank 1 (loads 6, 4)
     c -> rank 1 (loads 6, 7)
     d -> rank 0 (loads 9, 7)
 
-``numel_per_rank == (9, 7)``; the ideal is 8, so ``imbalance == 9 / 8``.
+``numel_per_rank == (9, 7)``; the ideal is 8, so ``imbalance == 9 / 8``. With ``split="auto"``
+(whole up to int(8 x 1.02) = 8 elements, blocks fill to 8 x 1.01 = 8.08) the 1-D tensor ``d``
+does not fit whole on rank 0::
+
+    a -> rank 0 (6, 0);  b -> rank 1 (6, 4);  c -> rank 1 (6, 7);
+    d -> elements [0, 2) on rank 0 (8, 7), elements [2, 3) on rank 1 (8, 8)
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence, Union
+from typing import AbstractSet, Iterable, Literal, Mapping, Sequence, Union
 
 import torch
+
+TARGET_IMBALANCE = 1.02  # split="auto" keeps the whole-tensor plan when it is at least this good
+FILL = 1.01  # capacity per rank, over the ideal, when tensors are cut (headroom for whole rows)
+SplitMode = Literal["auto", "never"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Elements ``[start, stop)`` of a tensor's flattened storage (whole dim-0 rows), owned by ``rank``."""
+
+    rank: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
 
 
 @dataclass(frozen=True)
 class OwnershipPlan:
-    """Which rank owns each tensor, and how many elements each rank owns."""
+    """Which rank owns each tensor (or each block of a split tensor), and how many elements each rank owns."""
 
     world_size: int
-    owners: Mapping[str, int]
+    blocks: Mapping[str, tuple[Block, ...]]
+    """name -> its blocks in storage order: one block for a tensor owned whole."""
     numels: Mapping[str, int]
     numel_per_rank: tuple[int, ...]
     param_names: Mapping[int, str] = field(default_factory=dict, repr=False, compare=False)
 
-    def owner(self, tensor: Union[str, torch.Tensor]) -> int:
-        """The owning rank of a tensor, given by name or as the parameter itself."""
+    def name_of(self, tensor: Union[str, torch.Tensor]) -> str:
         name = tensor if isinstance(tensor, str) else self.param_names.get(id(tensor))
-        if name is None or name not in self.owners:
+        if name is None or name not in self.blocks:
             raise KeyError(f"tensor {tensor if isinstance(tensor, str) else tuple(tensor.shape)} is not in this plan")
-        return self.owners[name]
+        return name
+
+    def owner(self, tensor: Union[str, torch.Tensor]) -> int:
+        """The owning rank of a tensor owned whole, given by name or as the parameter itself."""
+        name = self.name_of(tensor)
+        blocks = self.blocks[name]
+        if len(blocks) != 1:
+            raise ValueError(f"tensor '{name}' is split into {len(blocks)} blocks owned by ranks "
+                             f"{[b.rank for b in blocks]}; see plan.blocks['{name}']")
+        return blocks[0].rank
+
+    def blocks_of(self, tensor: Union[str, torch.Tensor]) -> tuple[Block, ...]:
+        return self.blocks[self.name_of(tensor)]
+
+    @property
+    def owners(self) -> dict[str, int]:
+        """name -> owning rank, for the tensors owned whole."""
+        return {name: blocks[0].rank for name, blocks in self.blocks.items() if len(blocks) == 1}
+
+    @property
+    def split(self) -> dict[str, int]:
+        """name -> number of blocks, for the tensors that were cut."""
+        return {name: len(blocks) for name, blocks in self.blocks.items() if len(blocks) > 1}
 
     def names_of(self, rank: int) -> list[str]:
-        """Names of the tensors ``rank`` owns, in name order."""
-        return sorted(name for name, r in self.owners.items() if r == rank)
+        """Names of the tensors ``rank`` owns whole or a block of, in name order."""
+        return sorted(name for name, blocks in self.blocks.items() if any(b.rank == rank for b in blocks))
 
     @property
     def total_numel(self) -> int:
@@ -61,22 +115,78 @@ class OwnershipPlan:
         return max(max(self.numels.values(), default=0), ideal) / ideal if ideal else 1.0
 
 
-def plan_ownership(tensors: Iterable[tuple[str, int]], world_size: int,
-                   param_names: Mapping[int, str] | None = None) -> OwnershipPlan:
-    """Split named tensors ``(name, numel)`` into ``world_size`` sets balanced by element count."""
+TensorSpec = tuple[str, Union[int, Sequence[int]]]
+
+
+def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: Mapping[int, str] | None = None,
+                   split: SplitMode = "auto", unsplittable: AbstractSet[str] = frozenset()) -> OwnershipPlan:
+    """Split named tensors ``(name, shape)`` into ``world_size`` sets balanced by element count.
+
+    A bare int is the element count of a 1-D tensor.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    items: Sequence[tuple[str, int]] = sorted(tensors, key=lambda t: (-t[1], t[0]))
-    names = [name for name, _ in items]
-    if len(set(names)) != len(names):
-        raise ValueError("tensor names in an ownership plan must be unique")
+    if split not in ("auto", "never"):
+        raise ValueError(f"split must be 'auto' or 'never', got {split!r}")
+    shapes = {}
+    for name, shape in tensors:
+        if name in shapes:
+            raise ValueError(f"tensor names in an ownership plan must be unique; '{name}' appears twice")
+        shapes[name] = (shape,) if isinstance(shape, int) else tuple(shape)
+    numels = {name: math.prod(shape) for name, shape in shapes.items()}
+    order = sorted(numels, key=lambda n: (-numels[n], n))
+    blocks, loads = _largest_first(order, numels, world_size)
+    ideal = sum(numels.values()) / world_size
+    if split == "auto" and ideal and max(loads) > TARGET_IMBALANCE * ideal:
+        row_numel = {name: math.prod(shape[1:]) for name, shape in shapes.items()}
+        blocks, loads = _fill_with_blocks(order, numels, row_numel, world_size, int(TARGET_IMBALANCE * ideal),
+                                          FILL * ideal, unsplittable)
+    return OwnershipPlan(world_size=world_size, blocks=blocks, numels=numels, numel_per_rank=tuple(loads),
+                         param_names=dict(param_names or {}))
+
+
+def _largest_first(order: Sequence[str], numels: Mapping[str, int],
+                   world_size: int) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
     heap = [(0, rank) for rank in range(world_size)]
-    owners: dict[str, int] = {}
     loads = [0] * world_size
-    for name, numel in items:
+    blocks = {}
+    for name in order:
         load, rank = heapq.heappop(heap)
-        owners[name] = rank
-        loads[rank] = load + numel
+        blocks[name] = (Block(rank, 0, numels[name]),)
+        loads[rank] = load + numels[name]
         heapq.heappush(heap, (loads[rank], rank))
-    return OwnershipPlan(world_size=world_size, owners=owners, numels=dict(items),
-                         numel_per_rank=tuple(loads), param_names=dict(param_names or {}))
+    return blocks, loads
+
+
+def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel: Mapping[str, int],
+                      world_size: int, limit: int, fill: float,
+                      unsplittable: AbstractSet[str]) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
+    """Largest first onto the emptiest rank while it stays within ``limit``; a tensor that does not fit is
+    cut into blocks of whole rows, each filling the then emptiest rank (one that holds no block of it yet)
+    to ``fill`` (to the nearest row)."""
+    heap = [(0, rank) for rank in range(world_size)]
+    loads = [0] * world_size
+    blocks: dict[str, tuple[Block, ...]] = {}
+    for name in order:
+        numel, row = numels[name], max(row_numel[name], 1)
+        load, rank = heapq.heappop(heap)
+        if load + numel <= limit or name in unsplittable or numel <= row:
+            blocks[name] = (Block(rank, 0, numel),)
+            loads[rank] = load + numel
+            heapq.heappush(heap, (loads[rank], rank))
+            continue
+        cut, start, skipped = [], 0, []
+        while start < numel:
+            rows = max(math.floor((fill - load) / row + 0.5), 1)  # to the nearest row: within half a row of fill
+            last_rank = len(cut) == world_size - 1  # every other rank holds a block of it already
+            stop = numel if last_rank else min(start + rows * row, numel)
+            cut.append(Block(rank, start, stop))
+            loads[rank] = load + stop - start
+            skipped.append((loads[rank], rank))  # a rank holds at most one block of a tensor
+            start = stop
+            if start < numel:
+                load, rank = heapq.heappop(heap)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        blocks[name] = tuple(cut)
+    return blocks, loads

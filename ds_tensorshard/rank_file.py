@@ -59,7 +59,9 @@ class RankFile:
     world_size: int
     rank: int
     tensors: dict[str, dict[str, Any]]
-    """name -> ``{"master": fp32 tensor, <the inner optimizer's state keys>: tensor or number}``."""
+    """name -> ``{"master": fp32 tensor, <the inner optimizer's state keys>: tensor or number}``; for a
+    tensor the plan split, the entry is this rank's block and adds ``"block": [start, stop]`` (elements
+    of the flattened tensor)."""
     group_names: list[list[str]]
     shapes: dict[str, tuple[int, ...]]
     param_groups: list[dict]

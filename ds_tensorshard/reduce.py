@@ -1,14 +1,14 @@
-"""Reduce: the mean of each tensor's gradient, summed over ranks onto its owner (claims 2 and 4)."""
+"""Reduce: the mean of each tensor's gradient, summed over ranks onto its owner."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .buckets import Bucket
-from .comm import Pending
+from .comm import Pending, Transport
 
 
 @dataclass(frozen=True)
@@ -38,67 +38,105 @@ class Averaging:
 IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive
 
 
-def start_reduce(bucket: Bucket, comm: Any, averaging: Averaging) -> Pending:
-    """Pack the bucket's gradients (missing ones count as zeros), release them, and start one reduce-scatter.
+def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging) -> Pending:
+    """Pack the bucket's gradients (missing ones count as zeros) and start one reduce per owner present.
 
-    The result is this rank's segment of averaged gradients.
+    The result is this rank's segment of averaged gradients (a copy, so the flat buffer goes when
+    the reduction is done), or None where this rank owns nothing in the bucket.
     """
-    starts, total = comm.layout(bucket.counts)
-    flat = bucket.pack(lambda p: p.grad, starts, total)
-    for segment in bucket.segments:
-        for param in segment:
-            param.grad = None
+    flat = bucket.pack(lambda p: p.grad)
     if averaging.divide_before != 1.0:
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    pending = comm.start_reduce_scatter(flat, bucket.counts)
+    pending = [comm.start_reduce(flat[s.offset:s.offset + s.numel], s.owner) for s in bucket.segments]
+    mine = bucket.segment_of(comm.rank)
 
-    def finish() -> torch.Tensor:
-        mine = pending.wait()
+    def finish() -> torch.Tensor | None:
+        for p in pending:
+            p.wait()
+        if mine is None:
+            return None
+        segment = flat[mine.offset:mine.offset + mine.numel].clone()
         if averaging.scale_after != 1.0:
-            mine.mul_(averaging.scale_after)
-        return mine
-    return Pending(finish)
+            segment.mul_(averaging.scale_after)
+        return segment
+    return Pending(finish, flat)
 
 
 class OverlappedReducer:
     """Starts each bucket's reduction from gradient hooks as soon as backward has produced all of its
     gradients, in bucket order (the same on every rank), with at most ``IN_FLIGHT`` buckets under way.
 
-    ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket.
+    ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket where it owns
+    something. The first backward that reduces records the order in which gradients became final;
+    afterwards ``rebuild(order)`` (rank 0's order, the same on every rank) lays the buckets out in
+    that order, so a tensor produced late never holds back buckets of gradients produced early.
     """
 
-    def __init__(self, buckets: list[Bucket], comm: Any, averaging: Averaging,
-                 deliver: Callable[[Bucket, torch.Tensor], None]) -> None:
-        self.buckets, self.comm, self.averaging, self.deliver = buckets, comm, averaging, deliver
-        self.index = {id(p): i for i, b in enumerate(buckets) for segment in b.segments for p in segment}
-        self.sizes = [sum(len(segment) for segment in b.segments) for b in buckets]
+    def __init__(self, buckets: list[Bucket], comm: Transport, averaging: Averaging,
+                 deliver: Callable[[Bucket, torch.Tensor], None], params: Sequence[torch.nn.Parameter],
+                 name_of: Callable[[torch.nn.Parameter], str],
+                 rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]]) -> None:
+        self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
+        self.params = list(params)
         self.in_flight: deque[tuple[Bucket, Pending]] = deque()
+        self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
+        self._use(buckets)
+
+    def _use(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self.index: dict[int, list[int]] = {}
+        releases: list[list[torch.nn.Parameter]] = [[] for _ in buckets]
+        for i, bucket in enumerate(buckets):
+            for param in bucket.params:
+                self.index.setdefault(id(param), []).append(i)
+        for param in self.params:
+            if id(param) in self.index:
+                releases[self.index[id(param)][-1]].append(param)
+        self.releases = releases  # params whose gradient is no longer needed once bucket i is packed
+        self.sizes = [len(b.params) for b in buckets]
         self._next_backward()
 
     def _next_backward(self) -> None:
         self.ready = [0] * len(self.buckets)
+        self.seen: set[int] = set()
         self.started = 0
 
     def gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is final for this backward: start every bucket that is now complete."""
-        self.ready[self.index[id(param)]] += 1
+        if id(param) in self.seen:
+            raise RuntimeError(
+                f"ds_tensorshard: the gradient of '{self.name_of(param)}' was delivered twice in one backward (a "
+                "parameter reused under reentrant activation checkpointing?); its bucket would be reduced with a "
+                "partial gradient. Use non-reentrant checkpointing (use_reentrant=False)")
+        self.seen.add(id(param))
+        if self.observed is not None:
+            self.observed.append(param)
+        for i in self.index.get(id(param), ()):
+            self.ready[i] += 1
+            if self.ready[i] > self.sizes[i]:
+                raise AssertionError(f"bucket {i} counted {self.ready[i]} ready gradients of {self.sizes[i]}")
         while self.started < len(self.buckets) and self.ready[self.started] == self.sizes[self.started]:
             self._start_next()
 
     def _start_next(self) -> None:
         """Start the next bucket; the oldest reductions (an earlier backward's first) complete to keep
         at most ``IN_FLIGHT`` under way, so every parameter's micro-step gradients arrive in order."""
-        bucket = self.buckets[self.started]
+        index = self.started
+        bucket = self.buckets[index]
         self.started += 1
         self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging)))
+        for param in self.releases[index]:
+            param.grad = None
         while len(self.in_flight) > IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         bucket, pending = self.in_flight.popleft()
-        self.deliver(bucket, pending.wait())
+        segment = pending.wait()
+        if segment is not None:
+            self.deliver(bucket, segment)
 
     def finish(self, wait: bool = True) -> None:
         """After backward: start what hooks did not (buckets with unused parameters) and, if ``wait``,
@@ -107,7 +145,18 @@ class OverlappedReducer:
             self._start_next()
         if wait:
             self.drain()
+        if self.observed is not None:
+            self._follow_backward_order()
         self._next_backward()
+
+    def _follow_backward_order(self) -> None:
+        seen = {id(p) for p in self.observed}
+        order = self.observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
+        position = {id(p): i for i, p in enumerate(self.params)}
+        agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
+        self.comm.start_broadcast(agreed, 0).wait()
+        self.observed = None
+        self._use(self.rebuild([self.params[i] for i in agreed.tolist()]))
 
     def drain(self) -> None:
         """Complete every reduction still in flight."""

@@ -1,54 +1,75 @@
-"""Update: fp32 master copies, reduced gradients and the inner Adam, for owned tensors only (claim 3).
+"""Update: fp32 master copies, reduced gradients and the inner optimizer, for owned tensors only.
 
+A rank owns whole tensors, and at most one block (whole dim-0 rows) of each tensor the plan split.
 Masters are contiguous fp32 tensors (CPU FusedAdam silently skips non-contiguous ones): an fp32
-model's own contiguous tensor, else a clone. Each
-param group of the inner optimizer keeps its dict (hyper-parameters, scheduler links) and gets
-only this rank's masters as ``params``, so Adam state is created for owned tensors alone.
+model's own contiguous tensor (or its block, a view), else a copy. Each param group of the inner
+optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this rank's masters as
+``params``, so optimizer state is created for owned tensors alone.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .buckets import Piece
+from .plan import Block
+
+
+def _block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
+    if block.numel == param.numel():
+        return tuple(param.shape)
+    return (block.numel // max(math.prod(param.shape[1:]), 1), *param.shape[1:])
 
 
 class OwnedShard:
-    """The tensors a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
+    """The tensors (or blocks) a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
     else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[torch.nn.Parameter]],
+    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[tuple[torch.nn.Parameter, Block]]],
                  accum_dtype: torch.dtype, device: torch.device) -> None:
         self.optimizer = optimizer
         self.device = device
         self.accum_dtype = accum_dtype
+        self.blocks: dict[torch.nn.Parameter, Block] = {}
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         for group, owned in zip(optimizer.param_groups, owned_by_group):
             masters = []
-            for param in owned:
-                if param.dtype == torch.float32 and param.is_contiguous():
-                    master = param.detach()  # an fp32 model's own tensor serves as the master: no second copy
+            for param, block in owned:
+                own = param.detach().view(-1)[block.start:block.stop].view(_block_shape(param, block))
+                if param.dtype == torch.float32:
+                    master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
                 else:
-                    master = param.detach().to(dtype=torch.float32, copy=True).contiguous()
+                    master = own.to(dtype=torch.float32, copy=True)
+                self.blocks[param] = block
                 self.masters[param] = master
                 masters.append(master)
             group["params"] = masters
 
+    def is_whole(self, param: torch.nn.Parameter) -> bool:
+        return self.blocks[param].numel == param.numel()
+
     @torch.no_grad()
-    def accumulate(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-        """Add a reduced gradient of an owned tensor to its accumulator."""
-        total = self.accumulated.get(param)
-        if total is None:  # keep the received buffer itself (it is ours alone) rather than a copy
-            self.accumulated[param] = grad.to(self.accum_dtype).view(param.shape)
-        else:
-            total.add_(grad.view(param.shape))
+    def accumulate(self, piece: Piece, grad: torch.Tensor) -> None:
+        """Add a reduced gradient piece of an owned tensor to its accumulator."""
+        block = self.blocks[piece.param]
+        total = self.accumulated.get(piece.param)
+        if total is None:
+            if piece.numel == block.numel:  # the whole block at once: keep (a copy of) it
+                self.accumulated[piece.param] = grad.to(self.accum_dtype, copy=grad.dtype != self.accum_dtype)
+                return
+            total = self.accumulated[piece.param] = torch.zeros(block.numel, dtype=self.accum_dtype, device=grad.device)
+        total[piece.start - block.start:piece.stop - block.start].add_(grad)
 
     def gradients_to_masters(self) -> None:
         """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none)."""
         for param, master in self.masters.items():
             total = self.accumulated.pop(param, None)
-            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32)
+            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
 
     @torch.no_grad()
     def squared_grad_norm(self) -> torch.Tensor:
@@ -71,8 +92,13 @@ class OwnedShard:
         self.optimizer.step()
         self._align_step_counts()
         for param, master in self.masters.items():
-            if master.data_ptr() != param.data_ptr():
-                param.data.copy_(master)
+            own = self._own(param)
+            if master.data_ptr() != own.data_ptr():
+                own.copy_(master.view(-1))
+
+    def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
+        block = self.blocks[param]
+        return param.data.view(-1)[block.start:block.stop]
 
     def _align_step_counts(self) -> None:
         """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
@@ -93,6 +119,6 @@ class OwnedShard:
     def reload_from_params(self) -> None:
         """Refresh masters from the (possibly newly loaded) model tensors."""
         for param, master in self.masters.items():
-            if master.data_ptr() != param.data_ptr():
-                master.copy_(param.detach())
-
+            own = self._own(param)
+            if master.data_ptr() != own.data_ptr():
+                master.view(-1).copy_(own)

@@ -1,8 +1,10 @@
 """One rank of an equivalence run: trains TinyGPT under several configs in one process group.
 
 Usage (per rank, with RANK/WORLD_SIZE/MASTER_* set): python equivalence_worker.py OUT CASE [CASE...]
-CASE = DTYPE:MODE:STAGE, e.g. fp32:stock:2 or bf16:ts:1. MODE ``ts`` enables ds_tensorshard, ``tsmpi``
-with the mpi comm backend.
+CASE = DTYPE:MODE:STAGE[:SPLIT], e.g. fp32:stock:2, bf16:ts:1 or fp32:ts:2:never. MODE ``ts`` enables
+ds_tensorshard, ``tsmpi`` with the mpi comm backend; SPLIT is ``tensorshard.split_tensors``.
+``EQ_VOCAB`` (default 64) sets the vocabulary: 1024 gives an embedding larger than a rank's share
+at 4 ranks and more, so ``"auto"`` splits it.
 Writes OUT/CASE.rankR.pt with the per-micro-step losses, grad norms, final parameters and
 optimizer-state facts.
 """
@@ -21,11 +23,12 @@ import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
-MICRO_BATCH, GAS, STEPS, SEQ, VOCAB = 2, 2, 5, 16, 64
+MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
+VOCAB = int(os.environ.get("EQ_VOCAB", "64"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def ds_config(dtype: str, mode: str, stage: int, world: int) -> dict:
+def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto") -> dict:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
@@ -44,7 +47,8 @@ def ds_config(dtype: str, mode: str, stage: int, world: int) -> dict:
         # 2**20 overflows the first fp16 steps: they must be skipped, with the scheduler.
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
     if mode in ("ts", "tsmpi"):
-        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch"}
+        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch",
+                                 "split_tensors": split}
     return config
 
 
@@ -60,14 +64,18 @@ def batch(rank: int, micro_step: int) -> torch.Tensor:
 
 
 def run_case(case: str, out_dir: str) -> None:
-    dtype, mode, stage = case.split(":")
+    dtype, mode, stage, *split = case.split(":")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.manual_seed(1234)
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                                   config=ds_config(dtype, mode, int(stage), world))
+                                                   config=ds_config(dtype, mode, int(stage), world, *split))
     unused_initial = engine.module.unused.detach().float().clone()
-    losses, norms, grads_after_backward = [], [], []
+    losses, norms, grads_after_backward, started_at_embedding = [], [], [], []
+    if mode in ("ts", "tsmpi"):  # how many buckets were under way when backward reached the embedding (its end)
+        def on_embedding(module, inputs, out) -> None:
+            out.register_hook(lambda grad: started_at_embedding.append(optimizer.reducer.started))
+        engine.module.wte.register_forward_hook(on_embedding)
     for micro in range(STEPS * GAS):
         loss = engine(batch(rank, micro).to(engine.device))
         engine.backward(loss)
@@ -90,11 +98,16 @@ def run_case(case: str, out_dir: str) -> None:
         state_tensors = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         result.update({
             "numel_per_rank": list(plan.numel_per_rank),
-            "owners": dict(plan.owners),
+            "blocks": {name: [(b.rank, b.start, b.stop) for b in blocks] for name, blocks in plan.blocks.items()},
             "state_numel": sum(t.numel() for t in state_tensors),
             "master_numel": sum(m.numel() for g in optimizer.param_groups for m in g["params"]),
             "group_lrs": [g["lr"] for g in optimizer.param_groups],
             "steps": sorted({int(s["step"]) for s in optimizer.optimizer.state.values()}),
+            "started_at_embedding": started_at_embedding,
+            "buckets": len(optimizer.buckets),
+            "largest_buffer": max(b.numel for b in optimizer.buckets),
+            "first_embedding_bucket": next(i for i, b in enumerate(optimizer.buckets)
+                                           if any(p is engine.module.wte.weight for p in b.params)),
         })
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
 

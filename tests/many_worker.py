@@ -71,7 +71,8 @@ def main() -> None:
         result["left_in_flight"] = left_in_flight
         result["gathers_running"] = gathers_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
-        result["owners"] = [[plans[0].owner(p) for p in e.module.parameters() if p.requires_grad] for e in engines]
+        result["owners"] = [[b.rank for p in e.module.parameters() if p.requires_grad for b in plans[0].blocks_of(p)]
+                            for e in engines]
         result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])
                                  for e in engines]
     torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))

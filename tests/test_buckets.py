@@ -1,49 +1,82 @@
-"""Buckets: owner-major segments, one dtype, bounded size, backward order; one collective per bucket."""
+"""Buckets: bounded windows of the gradient stream in backward order, grouped by owner, one dtype each;
+one reduce and one broadcast per owner present in a bucket."""
 import deepspeed
 import pytest
 import torch
 
 import ds_tensorshard.comm
 from ds_tensorshard.buckets import build_buckets
+from ds_tensorshard.plan import Block, plan_ownership
 
 
 def params(*shapes, dtype=torch.float32):
     return [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
 
 
-def test_buckets_are_owner_major_single_dtype_balanced_and_in_backward_order():
+def whole(owners):
+    return lambda p: (Block(owners[id(p)], 0, p.numel()),)
+
+
+def test_worked_example_from_docstring():
+    a, b, c = params((6,), (4,), (5,))
+    blocks = {id(a): (Block(1, 0, 6),), id(b): (Block(0, 0, 4),), id(c): (Block(1, 0, 5),)}
+    first, second = build_buckets([a, b, c], lambda p: blocks[id(p)], bucket_numel=8)
+    layout = [[(s.owner, s.offset, [(p.param is x, p.start, p.stop) for p, x in zip(s.pieces, xs)])
+               for s, xs in zip(bk.segments, parts)] for bk, parts in ((first, [[b], [a]]), (second, [[b], [c]]))]
+    assert layout == [[(0, 0, [(True, 0, 2)]), (1, 2, [(True, 0, 6)])], [(0, 0, [(True, 2, 4)]), (1, 2, [(True, 0, 5)])]]
+    assert (first.numel, second.numel) == (8, 7)
+
+
+def test_buckets_are_bounded_windows_in_backward_order_grouped_by_owner_per_dtype():
     ps = params((10,), (20,), (5,), (30,), (7,), (6,)) + params((4,), dtype=torch.bfloat16)
-    owner = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 1, 0])}
-    buckets = build_buckets(ps, lambda p: owner[id(p)], world_size=2, bucket_numel=40)
-    for b in buckets:
-        for rank, segment in enumerate(b.segments):
-            assert all(owner[id(p)] == rank and p.dtype == b.dtype for p in segment)
-        # a segment stops at the tensor that brings it closest to bucket_numel / world_size (20 here)
-        assert all(count - segment[-1].numel() < 20 for count, segment in zip(b.counts, b.segments) if segment)
-        assert b.counts == tuple(sum(p.numel() for p in s) for s in b.segments)
+    owners = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 1, 0])}
+    backward = list(reversed(ps))
+    buckets = build_buckets(backward, whole(owners), bucket_numel=16)
     fp32 = [b for b in buckets if b.dtype == torch.float32]
-    # each rank's queue is consumed in backward order: rank 0 = [7, 5, 10], rank 1 = [6, 30, 20]
-    assert [[[p.numel() for p in s] for s in b.segments] for b in fp32] == [[[7, 5, 10], [6]], [[], [30]], [[], [20]]]
-    assert sorted(id(p) for b in buckets for s in b.segments for p in s) == sorted(id(p) for p in ps)
+    assert [b.numel for b in fp32] == [16, 16, 16, 16, 14] and len(buckets) == 6
+    stream = []  # pieces in window order must retrace the backward order, each tensor tiled exactly
+    for b in fp32:
+        assert [s.owner for s in b.segments] == sorted({s.owner for s in b.segments})
+        assert all(owners[id(p.param)] == s.owner and p.param.dtype == b.dtype for s in b.segments for p in s.pieces)
+        assert [s.offset for s in b.segments] == [sum(x.numel for x in b.segments[:i]) for i in range(len(b.segments))]
+        stream.append(sorted(b.pieces(), key=lambda p: ([id(q) for q in backward].index(id(p.param)), p.start)))
+    flat = [(id(p.param), p.start, p.stop) for window in stream for p in window]
+    merged = {}
+    for key, start, stop in flat:
+        assert merged.get(key, 0) == start
+        merged[key] = stop
+    assert merged == {id(p): p.numel() for p in ps if p.dtype == torch.float32}
+
+
+def test_split_tensor_blocks_travel_to_their_owners():
+    big, small = params((10, 4), (4,))
+    plan = plan_ownership([("big", (10, 4)), ("small", (4,))], 2, param_names={id(big): "big", id(small): "small"})
+    buckets = build_buckets([small, big], plan.blocks_of, bucket_numel=16)
+    assert max(b.numel for b in buckets) == 16 and sum(b.numel for b in buckets) == 44
+    for b in buckets:
+        for s in b.segments:
+            for p in s.pieces:
+                block = next(x for x in plan.blocks_of(p.param) if x.start <= p.start < x.stop)
+                assert block.rank == s.owner and p.stop <= block.stop
 
 
 def test_pack_and_views_roundtrip_with_missing_gradients():
     ps = params((2, 3), (4,), (5,))
     ps[0].grad = torch.arange(6.0).view(2, 3)
     ps[2].grad = torch.full((5,), 7.0)
-    owner = {id(ps[0]): 1, id(ps[1]): 1, id(ps[2]): 0}
-    (bucket,) = build_buckets(ps, lambda p: owner[id(p)], world_size=2, bucket_numel=100)
-    assert bucket.counts == (5, 10)
-    flat = bucket.pack(lambda p: p.grad, starts=[0, 12], total=22)  # a gap of padding between segments
-    assert torch.equal(flat[:5], torch.full((5,), 7.0)) and torch.equal(flat[5:12], torch.zeros(7))
-    views = {id(p): v for p, v in bucket.views(1, flat[12:])}
-    assert torch.equal(views[id(ps[0])], ps[0].grad)
+    owners = {id(ps[0]): 1, id(ps[1]): 1, id(ps[2]): 0}
+    (bucket,) = build_buckets(ps, whole(owners), bucket_numel=100)
+    assert [(s.owner, s.offset, s.numel) for s in bucket.segments] == [(0, 0, 5), (1, 5, 10)]
+    flat = bucket.pack(lambda p: p.grad)
+    assert torch.equal(flat[:5], torch.full((5,), 7.0))
+    views = {id(piece.param): v for piece, v in bucket.segment_of(1).views(flat[5:])}
+    assert torch.equal(views[id(ps[0])], ps[0].grad.view(-1))
     assert torch.equal(views[id(ps[1])], torch.zeros(4))
 
 
 @pytest.mark.usefixtures("single_rank_world")
-def test_one_collective_per_bucket_not_per_tensor(monkeypatch):
-    calls = {"reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
+def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monkeypatch):
+    calls = {"reduce": 0, "broadcast": 0}
     for name in calls:
         original = getattr(ds_tensorshard.comm.dist, name)
 
@@ -55,12 +88,12 @@ def test_one_collective_per_bucket_not_per_tensor(monkeypatch):
     config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    assert len(optimizer.buckets) == 3
-    calls.update(reduce_scatter_tensor=0, all_gather_into_tensor=0)
-    loss = engine(torch.randn(2, 8)).sum()
-    engine.backward(loss)
-    engine.step()
-    assert calls == {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 3}
+    assert [b.numel for b in optimizer.buckets] == [150, 150, 132]
+    for _ in range(2):  # the first backward also agrees on the order gradients arrive in (one broadcast)
+        calls.update(reduce=0, broadcast=0)
+        engine.backward(engine(torch.randn(2, 8)).sum())
+        engine.step()
+    assert calls == {"reduce": 3, "broadcast": 3}
 
 
 @pytest.mark.usefixtures("single_rank_world")
@@ -89,3 +122,37 @@ def test_a_model_given_to_a_new_engine_reduces_only_there():
     assert first.reducer.ready == [0] * len(first.buckets)  # the first engine's hooks are gone
     engine.step()
     assert len(second.optimizer.state) == 4 and len(first.optimizer.state) == 0
+
+
+class LateRegistered(torch.nn.Module):
+    """Six layers, then a layer registered after them but used first (its gradients are final last) and
+    one never used: reverse registration order is not backward's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        self.embed = torch.nn.Linear(8, 8, bias=False)
+        self.unused = torch.nn.Linear(2, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.embed(x)).sum()
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_buckets_follow_the_order_backward_produced_after_the_first_step():
+    model = LateRegistered()
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert optimizer.buckets[0].params[:2] == (model.unused.weight, model.embed.weight)  # reverse registration
+    seen = []
+    x = torch.randn(2, 8, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(optimizer.reducer.started))  # the very end of backward
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    last = optimizer.buckets[-1].params
+    assert last[-2] is model.embed.weight and last[-1] is model.unused.weight  # produced last; never produced
+    assert seen[0] == 0  # first backward: the unused parameter held every bucket back
+    waiting = sum(any(p is model.embed.weight for p in b.params) for b in optimizer.buckets)
+    assert waiting == 2 and seen[1] == len(optimizer.buckets) - waiting  # afterwards only the embedding's wait

@@ -102,14 +102,16 @@ def test_plan_ownership_state_and_gradients(world):
         if mode != "ts":
             continue
         per_rank = [load(case, r) for r in range(n)]
-        owners = per_rank[0]["owners"]
+        blocks = per_rank[0]["blocks"]
         trainable = set(per_rank[0]["params"]) - {"frozen_scale"}
-        assert set(owners) == trainable  # tied head.weight is wte.weight: listed once
-        assert "head.weight" not in owners and "frozen_scale" not in owners
-        assert all(r["owners"] == owners and r["numel_per_rank"] == per_rank[0]["numel_per_rank"] for r in per_rank)
+        assert set(blocks) == trainable  # tied head.weight is wte.weight: listed once
+        assert all(r["blocks"] == blocks and r["numel_per_rank"] == per_rank[0]["numel_per_rank"] for r in per_rank)
+        for name, cut in blocks.items():  # blocks tile the tensor, each on another rank
+            assert [start for _, start, _ in cut] == [0] + [stop for _, _, stop in cut[:-1]], name
+            assert cut[-1][2] == per_rank[0]["params"][name].numel() and len({r for r, _, _ in cut}) == len(cut)
         numel = per_rank[0]["numel_per_rank"]
         assert sum(numel) == sum(per_rank[0]["params"][k].numel() for k in trainable)
-        assert max(numel) - min(numel) <= max(per_rank[0]["params"][k].numel() for k in trainable)
+        assert max(numel) <= 1.02 * sum(numel) / n
         for rank, result in enumerate(per_rank):
             assert result["master_numel"] == numel[rank]  # fp32 masters only for owned tensors
             assert result["state_numel"] == 2 * numel[rank]  # exp_avg + exp_avg_sq only for owned tensors

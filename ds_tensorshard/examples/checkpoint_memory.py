@@ -20,7 +20,7 @@ from deepspeed import comm as dist
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.examples.gpt import PRESETS, build, synthetic_batch
+from ds_tensorshard.models import PRESETS, build, synthetic_batch
 
 
 def peak_rss_mib() -> float:

@@ -1,9 +1,10 @@
-"""Time one reduce-scatter + all-gather of N fp32 elements with each comm backend (run under mpiexec).
+"""Time the data path's collectives on N fp32 elements with each comm backend (run under mpiexec).
 
     mpiexec -n 2 python -m ds_tensorshard.examples.comm_bench --numel 25000000 100000000
 
-Both transports move the same flat buffer split into equal segments, as the data path does; rank
-0 prints one JSON line per (backend, size) with the median of ``--repeats`` timings.
+N elements split into one equal segment per rank are reduced, each onto its owner, then broadcast
+back from every owner, as the data path moves a bucket; rank 0 prints one JSON line per (backend,
+size) with the median of ``--repeats`` timings.
 """
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
-from ds_tensorshard.comm import TorchComm, close_process_group
+from ds_tensorshard.comm import TorchComm, Transport, close_process_group
 from ds_tensorshard.mpi_comm import MpiComm
 
 
-def time_once(comm, flat: torch.Tensor, counts: list[int]) -> float:
+def time_once(comm: Transport, flat: torch.Tensor, counts: list[int]) -> float:
     dist.barrier()
     start = time.perf_counter()
-    mine = comm.reduce_scatter(flat, counts)
-    comm.all_gather(mine, counts)
+    offsets = [sum(counts[:r]) for r in range(len(counts))]
+    segments = [flat[o:o + c] for o, c in zip(offsets, counts)]
+    for pending in [comm.start_reduce(seg, owner) for owner, seg in enumerate(segments)]:
+        pending.wait()
+    for pending in [comm.start_broadcast(seg, owner) for owner, seg in enumerate(segments)]:
+        pending.wait()
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
@@ -43,8 +48,7 @@ def main() -> None:
     for numel in args.numel:
         counts = [numel // n + (1 if r < numel % n else 0) for r in range(n)]
         for name, comm in transports.items():
-            _, total = comm.layout(counts)
-            flat = torch.ones(total)
+            flat = torch.ones(numel)
             times = [time_once(comm, flat, counts) for _ in range(args.repeats)]
             if dist.get_rank() == 0:
                 print("COMM " + json.dumps({"backend": name, "ranks": n, "numel": numel,

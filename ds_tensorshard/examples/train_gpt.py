@@ -16,7 +16,7 @@ from deepspeed import comm as dist
 
 import ds_tensorshard
 from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.examples.gpt import PRESETS, build, synthetic_batch
+from ds_tensorshard.models import PRESETS, build, synthetic_batch
 
 
 def optimizer_state_bytes(optimizer, model) -> int:
@@ -26,8 +26,8 @@ def optimizer_state_bytes(optimizer, model) -> int:
         masters = [m for group in optimizer.param_groups for m in group["params"]]
     else:  # stock ZeRO-1/2: one flat fp32 partition per param group
         masters = list(optimizer.single_partition_of_fp32_groups)
-    model_storage = {p.data_ptr() for p in model.parameters()}
-    masters = [m for m in masters if m.data_ptr() not in model_storage]
+    model_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    masters = [m for m in masters if m.untyped_storage().data_ptr() not in model_storage]
     moments = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     return sum(t.numel() * t.element_size() for t in masters + moments)
 

@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 
 import ds_tensorshard
 from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.examples.gpt import build, synthetic_batch
+from ds_tensorshard.models import build, synthetic_batch
 from ds_tensorshard.plan import plan_ownership
 
 SHAPES = {"large": dict(width=256, layers=6, vocab=512, seq=64, heads=4),
@@ -34,7 +34,7 @@ def per_model_loads(models: dict, world: int) -> list[int]:
     """Elements per rank if each model were planned on its own (their loads add up on the same ranks)."""
     loads = [0] * world
     for model in models.values():
-        plan = plan_ownership([(n, p.numel()) for n, p in model.named_parameters()], world)
+        plan = plan_ownership([(n, p.shape) for n, p in model.named_parameters()], world)
         loads = [a + b for a, b in zip(loads, plan.numel_per_rank)]
     return loads
 

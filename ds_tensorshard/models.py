@@ -1,0 +1,124 @@
+"""Model shapes the package plans and trains: a GPT-style language model (torch's
+TransformerEncoderLayer, pre-norm, causal, tied head) in named sizes, and the parameter shapes of
+Llama-style models, named or read from a Hugging Face ``config.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRESETS = {
+    "demo": dict(vocab=256, seq=64, width=128, layers=4, heads=4),
+    "gpt2-small": dict(vocab=50257, seq=1024, width=768, layers=12, heads=12),
+}
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy of ``tokens`` (batch, time)."""
+        t = tokens.shape[1]
+        x = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def build(preset: str = "demo", device: str | torch.device = "cpu", **overrides: int) -> GPT:
+    """A model of a named shape; ``device="meta"`` gives shapes without allocating memory."""
+    with torch.device(device):
+        return GPT(**{**PRESETS[preset], **overrides})
+
+
+def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Sequences following ``x[t+1] = (3 * x[t] + 1) % vocab`` from random starts: learnable, so loss falls."""
+    tokens = torch.empty(batch, seq, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+    for t in range(1, seq):
+        tokens[:, t] = (3 * tokens[:, t - 1] + 1) % vocab
+    return tokens
+
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "tie_word_embeddings")
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+PRESET_NAMES = (*PRESETS, *LLAMA_PRESETS)
+
+
+def llama_shapes(config: Mapping[str, Any]) -> Shapes:
+    """The trainable parameters of a Llama-style decoder (Hugging Face names), from its config keys."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    shapes: Shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        shapes += [(f"{layer}.self_attn.q_proj.weight", (h, h)), (f"{layer}.self_attn.k_proj.weight", (kv, h)),
+                   (f"{layer}.self_attn.v_proj.weight", (kv, h)), (f"{layer}.self_attn.o_proj.weight", (h, h)),
+                   (f"{layer}.mlp.gate_proj.weight", (inter, h)), (f"{layer}.mlp.up_proj.weight", (inter, h)),
+                   (f"{layer}.mlp.down_proj.weight", (h, inter)), (f"{layer}.input_layernorm.weight", (h,)),
+                   (f"{layer}.post_attention_layernorm.weight", (h,))]
+    shapes.append(("model.norm.weight", (h,)))
+    if not config.get("tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (vocab, h)))
+    return shapes
+
+
+def hf_config_shapes(path: str) -> Shapes:
+    """Parameter shapes of the Llama-style model a Hugging Face ``config.json`` describes."""
+    with open(path) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    config.setdefault("tie_word_embeddings", False)
+    for key in LLAMA_KEYS:
+        value = config.get(key)
+        if key == "tie_word_embeddings":
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}: '{key}' must be true or false, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{path}: '{key}' must be a positive integer, got {value!r}")
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise ValueError(f"{path}: 'hidden_size' {config['hidden_size']} is not a multiple of "
+                         f"'num_attention_heads' {config['num_attention_heads']}")
+    return llama_shapes(config)
+
+
+def preset_shapes(preset: str, **overrides: int) -> Shapes:
+    """Trainable parameter shapes of a named model (GPT presets accept size overrides)."""
+    if preset in LLAMA_PRESETS:
+        if overrides:
+            raise ValueError(f"preset {preset} takes no size overrides (got {sorted(overrides)})")
+        return llama_shapes(LLAMA_PRESETS[preset])
+    model = build(preset, device="meta", **overrides)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def total_numel(shapes: Shapes) -> int:
+    return sum(math.prod(shape) for _, shape in shapes)

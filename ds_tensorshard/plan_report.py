@@ -1,0 +1,87 @@
+"""What a plan costs before launching: balance, split tensors, buckets, bytes on the wire.
+
+Everything is computed in one process over meta tensors, so 1,024 ranks of a 7B model take a
+fraction of a second. Wire volume follows the ring model the benchmark uses: a reduce to an
+owner is sent once by every other rank (pipelined along the ring ending at the owner), a
+broadcast from an owner once by every rank but the ring's last (the rank before the owner); a
+ring all-reduce of N elements sends 2 (n - 1) / n N per rank.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .buckets import Bucket, build_buckets
+from .plan import OwnershipPlan, SplitMode, plan_ownership
+
+Shapes = Sequence[tuple[str, Sequence[int]]]
+
+
+def sent_per_rank(buckets: Sequence[Bucket], world_size: int) -> list[int]:
+    """Elements each rank sends per step (every bucket reduced to its owners, then broadcast back)."""
+    total = sum(b.numel for b in buckets)
+    owned = [0] * world_size
+    for bucket in buckets:
+        for segment in bucket.segments:
+            owned[segment.owner] += segment.numel
+    # reduce: all but one's own; broadcast: all but the next rank's (it ends that rank's ring)
+    return [2 * total - owned[r] - owned[(r + 1) % world_size] for r in range(world_size)]
+
+
+def all_reduce_sent(numel: int, world_size: int) -> float:
+    return 2 * (world_size - 1) / world_size * numel
+
+
+def meta_buckets(shapes: Shapes, plan: OwnershipPlan, bucket_numel: int,
+                 dtype: torch.dtype = torch.float32) -> list[Bucket]:
+    """The buckets a run would build, over meta tensors in backward (reverse registration) order."""
+    params = [torch.nn.Parameter(torch.empty(tuple(shape), device="meta", dtype=dtype)) for _, shape in shapes]
+    blocks = {id(p): plan.blocks[name] for p, (name, _) in zip(params, shapes)}
+    return build_buckets(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel)
+
+
+def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto") -> dict[str, Any]:
+    """Balance, splits, buckets and wire volume of one world size, with the whole-tensor plan beside it."""
+    started = time.perf_counter()
+    plan = plan_ownership(shapes, world_size, split=split)
+    buckets = meta_buckets(shapes, plan, bucket_numel)
+    seconds = time.perf_counter() - started
+    never = plan if split == "never" else plan_ownership(shapes, world_size, split="never")
+    sent = sent_per_rank(buckets, world_size)
+    reference = all_reduce_sent(plan.total_numel, world_size)
+    largest = max(shapes, key=lambda s: math.prod(s[1]))
+    return {
+        "world_size": world_size, "split_tensors": split, "tensors": len(shapes), "total_numel": plan.total_numel,
+        "ideal_numel": plan.total_numel / world_size, "fullest_numel": max(plan.numel_per_rank),
+        "emptiest_numel": min(plan.numel_per_rank), "imbalance": plan.imbalance,
+        "largest_tensor": {"name": largest[0], "numel": math.prod(largest[1])},
+        "split": plan.split, "never_imbalance": never.imbalance, "never_bound": never.imbalance_bound,
+        "buckets": len(buckets), "largest_buffer": max((b.numel for b in buckets), default=0),
+        "bucket_numel": bucket_numel, "sent_per_rank_max": max(sent, default=0), "all_reduce_sent": reference,
+        "wire_ratio": max(sent, default=0) / reference if reference else 1.0,
+        "plan_and_buckets_s": seconds,
+        "numel_per_rank": list(plan.numel_per_rank),
+    }
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    split = sorted(report["split"].items(), key=lambda item: (-item[1], item[0]))
+    split_text = ", ".join(f"{name} x{n}" for name, n in split[:6]) + (f" (+{len(split) - 6} more)" if len(split) > 6 else "")
+    split_text = f"{len(split)}: {split_text}" if split else "none"
+    lines = [
+        f"world size {report['world_size']} (split_tensors={report['split_tensors']}): {report['tensors']} tensors, "
+        f"{report['total_numel']:,} elements, {report['total_numel'] / report['world_size']:,.0f} per rank ideally",
+        f"  fullest rank / ideal {report['imbalance']:.4f} (emptiest {report['emptiest_numel'] / report['ideal_numel']:.4f}); "
+        f"whole tensors only ('never'): {report['never_imbalance']:.4f}, best possible {report['never_bound']:.4f}",
+        f"  split tensors (blocks): {split_text}",
+        f"  buckets {report['buckets']}, largest flat buffer {report['largest_buffer']:,} elements "
+        f"(bucket size {report['bucket_numel']:,})",
+        f"  sent per rank per step {report['sent_per_rank_max']:,} elements = {report['wire_ratio']:.4f} x a ring "
+        f"all-reduce ({report['all_reduce_sent']:,.0f}); plan + buckets in {report['plan_and_buckets_s'] * 1e3:.0f} ms",
+    ]
+    if report["world_size"] <= 8:
+        lines += [f"  rank {r}: {numel:,}" for r, numel in enumerate(report["numel_per_rank"])]
+    return lines
