@@ -1,11 +1,12 @@
 """One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
-    [--die-during-save-at K] [--universal]
+    [--die-during-save-at K] [--universal] [--split auto|never]
 
-The global batch is 12 sequences per step whatever the world size (micro batch 2, GAS 6 / world),
-and the same 12 sequences make up step s on every world size, so runs at different world sizes
-must agree. Rank 0 writes OUT: the mean loss of each step run here and the final parameters.
+The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
+batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
+up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
+mean loss of each step run here and the final parameters.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ds_tensorshard.comm import close_process_group  # noqa: E402
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
-GLOBAL_BATCH, MICRO = 12, 2
+GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
 
 
 def sample(step: int, index: int) -> torch.Tensor:
@@ -55,12 +56,16 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, nargs="+", default=[])
     parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
     parser.add_argument("--universal", action="store_true")
+    parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     args = parser.parse_args()
     get_accelerator().is_fp16_supported = lambda: True
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    gas = GLOBAL_BATCH // (MICRO * world)
-    config = ds_config(args.dtype, args.mode, args.stage, world)
-    config.update(gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH)
+    assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
+    micro_batch = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 1
+    gas = GLOBAL_BATCH // (micro_batch * world)
+    config = ds_config(args.dtype, args.mode, args.stage, world, args.split)
+    config.update(gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH,
+                  train_micro_batch_size_per_gpu=micro_batch)
     if args.universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
@@ -75,8 +80,8 @@ def main() -> None:
         step = engine.global_steps
         total = torch.zeros(())
         for micro in range(gas):
-            first = (micro * world + rank) * MICRO
-            tokens = torch.stack([sample(step, first + i) for i in range(MICRO)])
+            first = (micro * world + rank) * micro_batch
+            tokens = torch.stack([sample(step, first + i) for i in range(micro_batch)])
             loss = engine(tokens)
             engine.backward(loss)
             engine.step()

@@ -17,6 +17,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import ds_tensorshard  # noqa: E402
 from ds_tensorshard.comm import close_process_group  # noqa: E402
+from compare import TOLERANCE  # noqa: E402
 from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
@@ -77,6 +78,24 @@ def main() -> None:
                                  for e in engines]
     torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))
     close_process_group()
+
+
+def assert_each_model_matches_stock(joint: dict, stock: dict) -> None:
+    """Each model of a joint run trained as it did alone under stock ZeRO."""
+    for index, (dtype, _, _) in enumerate(MODELS):
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(torch.tensor(joint["losses"][index]), torch.tensor(stock["losses"][index]),
+                                   rtol=0, atol=tol["loss"])
+        for name, value in stock["params"][index].items():
+            torch.testing.assert_close(joint["params"][index][name], value, rtol=tol["rtol"], atol=tol["atol"],
+                                       msg=lambda m: f"model {index} {name}: {m}")
+
+
+def assert_overlapped(joint: dict) -> None:
+    """Reductions were left running after every reducing backward, and the second model was updated
+    while the first one's all-gathers were in flight; the exact results show all of them completed."""
+    assert all(count > 0 for count in joint["left_in_flight"])
+    assert joint["gathers_running"] and all(joint["gathers_running"])
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ import os
 import pytest
 import torch
 
-from many_worker import MODELS
+from many_worker import MODELS, assert_each_model_matches_stock, assert_overlapped
 from ranks import run_ranks
-from test_equivalence import TOLERANCE
 
 WORKER = os.path.join(os.path.dirname(__file__), "many_worker.py")
 
@@ -25,23 +24,6 @@ def many(request, tmp_path_factory):
     for mode in ("stock", "step_many", "one_by_one"):
         run_ranks([WORKER, str(out), mode], n)
     return n, lambda mode, rank: torch.load(out / f"{mode}.rank{rank}.pt")
-
-
-def assert_each_model_matches_stock(joint: dict, stock: dict) -> None:
-    for index, (dtype, _, _) in enumerate(MODELS):
-        tol = TOLERANCE[dtype]
-        torch.testing.assert_close(torch.tensor(joint["losses"][index]), torch.tensor(stock["losses"][index]),
-                                   rtol=0, atol=tol["loss"])
-        for name, value in stock["params"][index].items():
-            torch.testing.assert_close(joint["params"][index][name], value, rtol=tol["rtol"], atol=tol["atol"],
-                                       msg=lambda m: f"model {index} {name}: {m}")
-
-
-def assert_overlapped(joint: dict) -> None:
-    """Reductions were left running after every reducing backward, and the second model was updated
-    while the first one's all-gathers were in flight; the exact results show all of them completed."""
-    assert all(count > 0 for count in joint["left_in_flight"])
-    assert joint["gathers_running"] and all(joint["gathers_running"])
 
 
 def test_each_model_trains_as_it_would_alone_under_stock_zero(many):

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
+from compare import assert_run_matches
+from many_worker import assert_each_model_matches_stock, assert_overlapped
 from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
-from test_equivalence import TOLERANCE
-from test_many import assert_each_model_matches_stock, assert_overlapped
 
 HERE = os.path.dirname(__file__)
 BIN = os.path.dirname(sys.executable)
@@ -50,17 +50,12 @@ def mpi_world(request, tmp_path_factory):
 def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
     n, load = mpi_world
     for dtype in ("fp32", "bf16"):
-        tol = TOLERANCE[dtype]
         for mpi_case, reference in [(f"{dtype}:tsmpi:2", f"{dtype}:stock:2"), (f"{dtype}:tsmpi:2", f"{dtype}:ts:2"),
                                     (f"{dtype}:tsmpi:1", f"{dtype}:stock:1")]:
             for rank in range(n):
                 ours, ref = load(mpi_case, rank), load(reference, rank)
                 assert ours["optimizer_class"] == "TensorShardOptimizer"
-                torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=0,
-                                           atol=tol["loss"], msg=lambda m: f"{mpi_case} vs {reference}: {m}")
-                for name, value in ref["params"].items():
-                    torch.testing.assert_close(ours["params"][name], value, rtol=tol["rtol"], atol=tol["atol"],
-                                               msg=lambda m: f"{mpi_case} vs {reference} {name}: {m}")
+                assert_run_matches(ours, ref, dtype, f"{mpi_case} vs {reference} rank {rank}")
                 assert ours["state_numel"] == 2 * ours["numel_per_rank"][rank]
 
 
