@@ -71,9 +71,11 @@ class Bucket:
     def segment_of(self, rank: int) -> Optional[Segment]:
         return next((s for s in self.segments if s.owner == rank), None)
 
-    def pack(self, tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]) -> torch.Tensor:
-        """The bucket's flat buffer from one tensor per parameter (zeros where there is none)."""
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def pack(self, tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
+             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
+        (zeros where there is none)."""
+        flat = torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
         for segment in self.segments:
             for piece, view in segment.views(flat[segment.offset:segment.offset + segment.numel]):
                 source = tensor_of(piece.param)

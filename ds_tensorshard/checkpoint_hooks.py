@@ -16,8 +16,8 @@ import uuid
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from .checkpoint_files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, write_text_atomic
-from .checkpoint_sources import CHECKPOINT_ID_KEY, open_checkpoint
+from .checkpoint_files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
+from .checkpoint_sources import CHECKPOINT_ID_KEY, MODEL_STATES, open_checkpoint
 from .config import TensorShardConfigError
 from .rank_file import parse_rank_file_name
 
@@ -89,8 +89,13 @@ def wrap_load_checkpoint(original):
         resolved = _resolve_tag(load_dir, tag, universal)
         if resolved is None:
             return call()
-        source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal)
-        source.check_model(*self.optimizer.expected_checkpoint_layout())
+        if load_module_only or not (load_optimizer_states or universal):
+            # stock reads no optimizer file then: the masters are refreshed from the loaded module
+            verify(os.path.join(load_dir, resolved, MODEL_STATES))
+            source = None
+        else:
+            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal)
+            source.check_model(*self.optimizer.expected_checkpoint_layout())
         self._tensorshard_source = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:

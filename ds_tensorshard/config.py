@@ -84,6 +84,15 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
                 f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled'; remove it")
     if zero.get("cpu_offload"):
         raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
+    if stage == 2 and zero.get("reduce_scatter", True):  # stock ZeRO-2 asserts these (stage_1_and_2.py)
+        if param_dict.get("gradient_predivide_factor", 1.0) != 1.0:
+            raise TensorShardConfigError("'gradient_predivide_factor' != 1.0 is not supported with ZeRO stage 2 and "
+                                         "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
+                                         "set reduce_scatter to false or remove the factor")
+        if param_dict.get("prescale_gradients", False):
+            raise TensorShardConfigError("'prescale_gradients' is not supported with ZeRO stage 2 and "
+                                         "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
+                                         "set reduce_scatter to false or remove it")
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:

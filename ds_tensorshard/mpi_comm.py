@@ -3,9 +3,11 @@
 Each owner's segment of a bucket is moved with ``Ireduce`` to the owner and ``Ibcast`` from it
 (non-blocking, so communication overlaps computation); nothing is padded. CPU tensors are handed
 to MPI as numpy views (no copy).
-bf16/fp16 travel as raw 16-bit words; their sums run in fp32 inside a user-defined MPI op (MPI has
-no bf16 sum). CUDA tensors go to MPI directly where mpi4py reports a CUDA-aware MPI, and through
-host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
+bf16/fp16 travel as raw 16-bit words and are summed by a user-defined MPI op (MPI has no bf16
+sum): each pairwise addition of the reduction is done in fp32 and rounded back to 16 bits, the
+precision of NCCL's 16-bit reductions that stock ZeRO uses. CUDA tensors go to MPI directly where
+mpi4py reports a CUDA-aware MPI (after the stream that produced them has finished), and through
+pinned host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
 """
 from __future__ import annotations
 
@@ -85,14 +87,23 @@ class MpiComm:
         return [buf, mpi_type]
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What MPI may read now: a CPU tensor itself; a CUDA tensor once its producing stream is done
+        (directly for a CUDA-aware MPI, else copied into pinned host memory)."""
         global _warned_staging
-        if tensor.is_cuda and not self.cuda_aware:
-            if not _warned_staging:
-                logger.warning("ds_tensorshard: mpi4py reports an MPI without CUDA support; "
-                               "staging CUDA tensors through host memory")
-                _warned_staging = True
-            return tensor.cpu()
-        return tensor
+        if not tensor.is_cuda:
+            return tensor
+        stream = torch.cuda.current_stream(tensor.device)
+        if self.cuda_aware:
+            stream.synchronize()
+            return tensor
+        if not _warned_staging:
+            logger.warning("ds_tensorshard: mpi4py reports an MPI without CUDA support; "
+                           "staging CUDA tensors through pinned host memory")
+            _warned_staging = True
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        stream.synchronize()
+        return host
 
     # -- the transport interface ------------------------------------------------------------------
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
@@ -114,7 +125,7 @@ class MpiComm:
     def _back(host: torch.Tensor, tensor: torch.Tensor, received: bool) -> None:
         """Copy a staged result back to the device tensor."""
         if received and host is not tensor:
-            tensor.copy_(host)
+            tensor.copy_(host, non_blocking=True)  # pinned: the copy is ordered on the stream, the host waits not
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         host = self._host(tensor)

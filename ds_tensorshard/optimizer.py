@@ -31,7 +31,7 @@ from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
 from .checkpoint_sources import CheckpointSource
 from .comm import TorchComm
-from .config import TensorShardConfig, bucket_numel, check_shardable, describe_zero_mapping
+from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, check_shardable, describe_zero_mapping
 from .gather import Gather, gather_buckets
 from .many import joint_plan
 from .plan import OwnershipPlan, plan_ownership
@@ -65,7 +65,9 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm: float | None = None
 
-        self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
+        # zero-element tensors have nothing to update: dropped, as stock ZeRO does
+        self.bit16_groups = [[p for p in group["params"] if p.requires_grad and p.numel() > 0]
+                             for group in init_optimizer.param_groups]
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
@@ -83,10 +85,17 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
-        self.shard = OwnedShard(init_optimizer, owned, engine.get_data_types()[1], engine.device)
+        accum_dtype = engine.get_data_types()[1]
+        self.shard = OwnedShard(init_optimizer, owned, accum_dtype, engine.device)
+        # stage 1 with grad_accum_dtype wider than the model's: micro-step gradients are held in that dtype
+        self.held: dict[torch.nn.Parameter, torch.Tensor] | None = \
+            {} if not self.partition_gradients and accum_dtype != self.dtype else None
+        self._inside_no_sync = lambda: engine.inside_no_sync_ctxt
+        init_optimizer.add_param_group = self.add_param_group  # the inner optimizer refuses them too
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
         self.reducer = OverlappedReducer(self._build_buckets(list(reversed(self.params))), self.comm, self.averaging,
-                                         self._deliver, self.params, self.names.__getitem__, self._build_buckets)
+                                         self._deliver, self.params, self.names.__getitem__, self._build_buckets,
+                                         self._gradient_of, self._release)
         for param in self.params:  # a model given to a new engine drops the previous engine's hook
             previous = getattr(param, "_tensorshard_hook", None)
             if previous is not None:
@@ -150,9 +159,27 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: in a backward that reduces (stage 2: every one; stage 1: the
-        boundary's), hand the gradient to the reducer, which starts complete buckets at once."""
-        if self.partition_gradients or self.is_gradient_accumulation_boundary():
+        boundary's, outside ``engine.no_sync()``), hand the gradient to the reducer, which starts
+        complete buckets at once. Otherwise (stage 1) the gradient accumulates, in the model or held
+        in ``grad_accum_dtype``."""
+        reducing = self.partition_gradients or (self.is_gradient_accumulation_boundary() and not self._inside_no_sync())
+        if self.held is not None and (param in self.held or not reducing):
+            held = self.held.get(param)
+            self.held[param] = param.grad.to(self.shard.accum_dtype) if held is None else held.add_(param.grad)
+            param.grad = None
+        if reducing:
             self.reducer.gradient_ready(param)
+
+    def _gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient to reduce: held in a wider dtype (stage 1 with grad_accum_dtype), else the model's."""
+        held = self.held.get(param) if self.held is not None else None
+        return param.grad if held is None else held
+
+    def _release(self, param: torch.nn.Parameter) -> None:
+        """A gradient is packed into its last bucket: the model no longer keeps it."""
+        param.grad = None
+        if self.held is not None:
+            self.held.pop(param, None)
 
     def _deliver(self, bucket: Bucket, segment: torch.Tensor) -> None:
         for piece, grad in bucket.segment_of(self.comm.rank).views(segment):
@@ -191,6 +218,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         (overflow, combined_scale), self._prepared = self._prepared, None
         if overflow:
             self.zero_grad()
+            self.shard.drop_grads()
             return
         if combined_scale != 1.0:
             self.shard.scale_grads(1.0 / combined_scale)
@@ -208,12 +236,29 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.pending_gather = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop model gradients and owned accumulators (always set to None)."""
+        """Clear the model's gradients (to None, or to zeros with ``set_to_none=False``), as stock does; the
+        owners' reduced gradients are the step's and are dropped by it."""
         self.reducer.drain()
         self._prepared = None
         for param in self.params:
-            param.grad = None
-        self.shard.drop_grads()
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_()
+                param.grad.zero_()
+        if self.held is not None:
+            if set_to_none:
+                self.held.clear()
+            else:
+                for held in self.held.values():
+                    held.zero_()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused: the ownership plan, buckets and hooks are built for the groups given at initialize."""
+        raise TensorShardConfigError(
+            "add_param_group is not supported by ds_tensorshard: ownership, buckets and gradient hooks are planned "
+            "once, for the param groups given to deepspeed.initialize; pass every group there (a group may start "
+            "with lr 0)")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -252,8 +297,7 @@ class TensorShardOptimizer(ZeROOptimizer):
             if load_optimizer_states and saved.state:
                 state = {k: own(v).to(master.device).contiguous() if torch.is_tensor(v) else v
                          for k, v in saved.state.items() if k != "step"}
-                step = int(saved.state.get("step", 0))
-                state["step"] = step if fused else torch.tensor(float(step))
+                state["step"] = self._step_value(int(saved.state.get("step", 0)), master, fused)
                 self.optimizer.state[master] = state
         if load_optimizer_states:
             for group, saved_group in zip(self.optimizer.param_groups, source.param_groups):
@@ -262,6 +306,15 @@ class TensorShardOptimizer(ZeROOptimizer):
                 self.loss_scaler = restore_loss_scaler(source.scaler.loss_scaler, self.dtype)
                 self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
                 self.overflow = source.scaler.overflow
+
+    def _step_value(self, step: int, master: torch.Tensor, fused_adam: bool) -> Any:
+        """``step`` as the inner optimizer keeps it: an int for FusedAdam; for torch's optimizers an fp32
+        tensor, on the parameter's device when the group is ``fused`` or ``capturable`` (as torch loads it)."""
+        if fused_adam:
+            return step
+        group = next(g for g in self.optimizer.param_groups if any(m is master for m in g["params"]))
+        on_device = group.get("fused") or group.get("capturable")
+        return torch.tensor(float(step), dtype=torch.float32, device=master.device if on_device else "cpu")
 
     @torch.no_grad()
     def update_lp_params(self) -> None:

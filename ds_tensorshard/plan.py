@@ -177,7 +177,8 @@ def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel
             continue
         cut, start, skipped = [], 0, []
         while start < numel:
-            rows = max(math.floor((fill - load) / row + 0.5), 1)  # to the nearest row: within half a row of fill
+            rows = max(math.floor((fill - load) / row + 0.5),  # to the nearest row: within half a row of fill,
+                       -(-(numel - start) // ((world_size - len(cut)) * row)), 1)  # but no rank left short
             last_rank = len(cut) == world_size - 1  # every other rank holds a block of it already
             stop = numel if last_rank else min(start + rows * row, numel)
             cut.append(Block(rank, start, stop))

@@ -15,36 +15,41 @@ from .comm import Pending, Transport
 class Averaging:
     """How a sum over ranks becomes DeepSpeed's mean gradient, in DeepSpeed's own order of operations.
 
-    ``divide_before`` divides each rank's gradient before the sum (stock ZeRO-2's reduce-scatter
-    path and ``prescale_gradients``); ``scale_before``/``scale_after`` multiply before the sum and
-    on the owner after it (stock's post-scaling, with ``gradient_predivide_factor``).
+    ``divide_before`` divides each rank's gradient before the sum (stock ZeRO-1/2's default
+    reduce-scatter path, ``contiguous_gradients: false`` and ``prescale_gradients``);
+    ``scale_before``/``scale_after`` multiply before the sum and on the owner after it (stock's
+    post-scaling with ``reduce_scatter: false``, with ``gradient_predivide_factor``). Gradients travel
+    in ``comm_dtype`` (``communication_data_type``; None: the parameters' own dtype).
     """
 
     divide_before: float = 1.0
     scale_before: float = 1.0
     scale_after: float = 1.0
+    comm_dtype: torch.dtype | None = None
 
     @classmethod
     def like_deepspeed(cls, engine: Any, world_size: int) -> "Averaging":
+        comm_dtype = engine._config.communication_data_type
         if not engine.gradient_average:
-            return cls()
-        stage2_scatter = engine.zero_optimization_stage() == 2 and engine.zero_reduce_scatter()
-        if stage2_scatter or not engine.postscale_gradients():
-            return cls(divide_before=float(world_size))
+            return cls(comm_dtype=comm_dtype)
+        if engine.zero_reduce_scatter() or not engine.zero_contiguous_gradients() or not engine.postscale_gradients():
+            return cls(divide_before=float(world_size), comm_dtype=comm_dtype)
         predivide = float(engine.gradient_predivide_factor())
-        return cls(scale_before=1.0 / predivide, scale_after=predivide / world_size)
+        return cls(scale_before=1.0 / predivide, scale_after=1.0 if predivide == world_size else predivide / world_size,
+                   comm_dtype=comm_dtype)
 
 
 IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive
 
 
-def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging) -> Pending:
+def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
+                 gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> Pending:
     """Pack the bucket's gradients (missing ones count as zeros) and start one reduce per owner present.
 
     The result is this rank's segment of averaged gradients (a copy, so the flat buffer goes when
     the reduction is done), or None where this rank owns nothing in the bucket.
     """
-    flat = bucket.pack(lambda p: p.grad)
+    flat = bucket.pack(gradient_of, averaging.comm_dtype)
     if averaging.divide_before != 1.0:
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
@@ -69,7 +74,8 @@ class OverlappedReducer:
     gradients, in bucket order (the same on every rank), with at most ``IN_FLIGHT`` buckets under way.
 
     ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket where it owns
-    something. The first backward that reduces records the order in which gradients became final;
+    something; ``gradient_of(param)`` is what is packed, ``release(param)`` drops it once its last
+    bucket is packed. The first backward that reduces records the order in which gradients became final;
     afterwards ``rebuild(order)`` (rank 0's order, the same on every rank) lays the buckets out in
     that order, so a tensor produced late never holds back buckets of gradients produced early.
     """
@@ -77,8 +83,11 @@ class OverlappedReducer:
     def __init__(self, buckets: list[Bucket], comm: Transport, averaging: Averaging,
                  deliver: Callable[[Bucket, torch.Tensor], None], params: Sequence[torch.nn.Parameter],
                  name_of: Callable[[torch.nn.Parameter], str],
-                 rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]]) -> None:
+                 rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]],
+                 gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
+                 release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None)) -> None:
         self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
+        self.gradient_of, self.release = gradient_of, release
         self.params = list(params)
         self.in_flight: deque[tuple[Bucket, Pending]] = deque()
         self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
@@ -126,9 +135,9 @@ class OverlappedReducer:
         index = self.started
         bucket = self.buckets[index]
         self.started += 1
-        self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging)))
+        self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging, self.gradient_of)))
         for param in self.releases[index]:
-            param.grad = None
+            self.release(param)
         while len(self.in_flight) > IN_FLIGHT:
             self._finish_oldest()
 

@@ -15,6 +15,8 @@ import torch
 from .buckets import Piece
 from .plan import Block
 
+NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
+
 
 def _block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
     if block.numel == param.numel():
@@ -73,11 +75,14 @@ class OwnedShard:
 
     @torch.no_grad()
     def squared_grad_norm(self) -> torch.Tensor:
-        """Sum of squares of every owned master gradient."""
+        """Sum of squares of every owned master gradient, in fp64 (as stock), a chunk at a time so that no
+        fp64 copy of a whole tensor is made."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for master in self.masters.values():
             if master.grad is not None:
-                total += master.grad.double().pow(2).sum()
+                for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
+                    wide = chunk.double()
+                    total += torch.dot(wide, wide)
         return total
 
     @torch.no_grad()
