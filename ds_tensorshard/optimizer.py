@@ -19,12 +19,12 @@ Example (one process; with more ranks every rank runs the same lines)::
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.utils import logger
 
 from .buckets import Bucket, build_buckets
@@ -60,6 +60,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.dtype = engine.get_data_types()[0]
         self.check_grad_overflow = engine.fp16_enabled() or (
             engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
+        self.compute_grad_norm = engine.zero_compute_grad_norm()
         self._init_loss_scaling(engine)
         self.averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
         self.overflow = False
@@ -81,7 +82,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.reduce_in_background = joint_plan() is not None
         self.defer_gather = False  # set by step_many: step() starts the all-gathers, finish_gather() completes them
         self.pending_gather: Gather | None = None
-        self._prepared: tuple[bool, float] | None = None  # (overflow, combined unscale-and-clip factor)
+        self._prepared: tuple[bool, Any] | None = None  # (overflow, combined unscale-and-clip factor or None)
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
@@ -190,23 +191,33 @@ class TensorShardOptimizer(ZeROOptimizer):
     def prepare_step(self) -> None:
         """The part of :meth:`step` that communicates before the update: complete the reductions,
         all-reduce the global norm, check overflow, update the loss scale. :func:`~ds_tensorshard.step_many`
-        runs it for every engine first, so that each model's update overlaps the previous one's all-gathers."""
+        runs it for every engine first, so that each model's update overlaps the previous one's all-gathers.
+
+        Numerics follow stock ZeRO-1/2 step for step: per param group an fp64 sum of squares, cast to
+        fp32, summed over ranks, square-rooted; the groups' norms combined in fp32; an invalid norm is an
+        overflow; the gradients are unscaled and clipped with the loss scale *after* its update."""
         self.reducer.drain()
         self.shard.gradients_to_masters()
-        squared = self.shard.squared_grad_norm()
-        self.comm.all_reduce_sum(squared)
-        scaled_norm = math.sqrt(squared.item())
-        self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and not math.isfinite(scaled_norm)
-        scale = self.loss_scale
+        partials = self.shard.squared_grad_norms().float()
+        self.comm.all_reduce_sum(partials)
+        group_norms = partials.pow(1.0 / 2)
+        group_norms.masked_fill_(~torch.isfinite(group_norms), -1.0)
+        scaled_norm = combine_grad_norm_groups(list(group_norms))
+        self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(scaled_norm)
+        prev_scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
-            self._global_grad_norm = float("inf")
-            self._prepared = (True, 1.0)
+            self._global_grad_norm = float("inf") if self.compute_grad_norm else None
+            self._prepared = (True, None)
             return
-        self._global_grad_norm = scaled_norm / scale
-        combined_scale = scale
-        if self.clip_grad > 0.0:
-            combined_scale = max(((scaled_norm / scale) + 1e-6) / self.clip_grad, 1.0) * scale
+        self._global_grad_norm = float(scaled_norm / prev_scale) if self.compute_grad_norm else None
+        if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+            self._prepared = (False, None)
+            return
+        combined_scale: float | torch.Tensor = self.loss_scale
+        if self.clip_grad > 0.0 and self.compute_grad_norm:
+            clip = ((scaled_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
         self._prepared = (False, combined_scale)
 
     @torch.no_grad()
@@ -220,7 +231,7 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.zero_grad()
             self.shard.drop_grads()
             return
-        if combined_scale != 1.0:
+        if combined_scale is not None:
             self.shard.scale_grads(1.0 / combined_scale)
         self.shard.step()
         self.shard.drop_grads()

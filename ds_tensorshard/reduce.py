@@ -46,8 +46,8 @@ def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
                  gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> Pending:
     """Pack the bucket's gradients (missing ones count as zeros) and start one reduce per owner present.
 
-    The result is this rank's segment of averaged gradients (a copy, so the flat buffer goes when
-    the reduction is done), or None where this rank owns nothing in the bucket.
+    The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
+    flat buffer goes when the reduction is done), or None where this rank owns nothing in the bucket.
     """
     flat = bucket.pack(gradient_of, averaging.comm_dtype)
     if averaging.divide_before != 1.0:
@@ -62,10 +62,11 @@ def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
             p.wait()
         if mine is None:
             return None
-        segment = flat[mine.offset:mine.offset + mine.numel].clone()
+        segment = flat[mine.offset:mine.offset + mine.numel]
         if averaging.scale_after != 1.0:
             segment.mul_(averaging.scale_after)
-        return segment
+        # back in the gradients' own dtype, where stock rounds a wider communication dtype's sums
+        return segment.to(bucket.dtype) if segment.dtype != bucket.dtype else segment.clone()
     return Pending(finish, flat)
 
 

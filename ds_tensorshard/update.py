@@ -74,19 +74,20 @@ class OwnedShard:
             master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
 
     @torch.no_grad()
-    def squared_grad_norm(self) -> torch.Tensor:
-        """Sum of squares of every owned master gradient, in fp64 (as stock), a chunk at a time so that no
-        fp64 copy of a whole tensor is made."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for master in self.masters.values():
-            if master.grad is not None:
-                for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
-                    wide = chunk.double()
-                    total += torch.dot(wide, wide)
-        return total
+    def squared_grad_norms(self) -> torch.Tensor:
+        """Per param group, the sum of squares of this rank's master gradients, in fp64 (as stock), a
+        chunk at a time so that no fp64 copy of a whole tensor is made."""
+        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=self.device)
+        for g, group in enumerate(self.optimizer.param_groups):
+            for master in group["params"]:
+                if master.grad is not None:
+                    for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
+                        wide = chunk.double()
+                        totals[g] += torch.dot(wide, wide)
+        return totals
 
     @torch.no_grad()
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
         for master in self.masters.values():
             if master.grad is not None:
                 master.grad.mul_(factor)

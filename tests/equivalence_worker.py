@@ -116,7 +116,8 @@ def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
     # under mpiexec DeepSpeed discovers ranks through mpi4py and takes the port from here
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    backend = os.environ.get("DIST_BACKEND", "nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     close_process_group()

@@ -21,14 +21,18 @@ def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
     assert set(results) == {"stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi"}
     for r in results.values():
         assert r["step_s"] > 0 and len(r["peak_rss_bytes"]) == 2 and r["sent_bytes_per_rank"] > 0
-    for raw in (tmp_path / "raw").glob("*.json"):  # the phases partition every timed step
+    for raw in (tmp_path / "raw").glob("*.json"):  # measured phases are real and inside the step
+        config = json.loads(raw.read_text())["config"]
         for row in json.loads(raw.read_text())["steps"]:
-            assert abs(sum(row[k] for k in ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")) - row["step_s"]) < 1e-9
+            assert all(0.0 <= row[k] < row["step_s"] for k in ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s"))
+            assert (row["gather_s"] > 0) == (config != "stage0"), (config, row)  # stage 0 gathers nothing
+            assert (row["reduce_s"] > 0) == (config != "ddp_zero"), (config, row)  # DDP reduces inside backward
     for name in ("ts_torch", "ts_mpi"):  # every tensor's state on exactly one rank
         r = results[name]
         assert r["optimizer_state_bytes_fullest"] <= 1.05 * r["optimizer_state_bytes_total"] / 2 + 8 * 4096
-    # reduce-scatter + all-gather without padding moves no more than stock stage 0's all-reduce
-    assert results["ts_mpi"]["sent_bytes_per_rank"] <= 1.01 * results["stage0"]["sent_bytes_per_rank"]
+    # per-owner reduces and broadcasts, no padding: about what stock stage 0's all-reduce moves
+    for name in ("ts_torch", "ts_mpi"):
+        assert results[name]["sent_bytes_per_rank"] <= 1.02 * results["stage0"]["sent_bytes_per_rank"]
     table = (tmp_path / "results.md").read_text()
     assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

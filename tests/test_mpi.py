@@ -111,3 +111,14 @@ def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
         joint = torch.load(tmp_path / f"step_many_mpi.rank{rank}.pt")
         assert_each_model_matches_stock(joint, torch.load(tmp_path / f"stock.rank{rank}.pt"))
         assert_overlapped(joint)
+
+
+def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
+    cases = [f"{s}:{m}" for s in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1") for m in ("stock", "tsmpi")]
+    mpiexec([os.path.join(HERE, "feature_worker.py"), str(tmp_path), *cases], 2)
+    for scenario in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1"):
+        for rank in range(2):
+            ours = torch.load(tmp_path / f"{scenario}_tsmpi.rank{rank}.pt")
+            assert ours["optimizer_class"] == "TensorShardOptimizer"
+            assert_run_matches(ours, torch.load(tmp_path / f"{scenario}_stock.rank{rank}.pt"),
+                               "fp32" if scenario == "no_sync_stage1" else "bf16", f"{scenario} rank {rank}")

@@ -33,15 +33,18 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="checkpoint save dir")
     parser.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence in the training step")
+    for key in ("layers", "width", "vocab"):
+        parser.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2},
               "tensorshard": {"enabled": True, "bucket_numel": 20_000_000}}
     torch.manual_seed(0)
-    model = build(args.preset)
+    overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k) is not None}
+    model = build(args.preset, **overrides)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    shape = PRESETS[args.preset]
+    shape = {**PRESETS[args.preset], **overrides}
     tokens = synthetic_batch(1, min(args.seq, shape["seq"]), shape["vocab"], torch.Generator().manual_seed(1))
     engine.backward(engine(tokens))
     engine.step()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# What one NVIDIA GPU can check, in under 5 minutes; one line per check, exit status = number of failures.
+#   bash launch/gpu_check.sh
+# 1. cuda_equivalence_1rank: stock ZeRO-1/2 vs ds_tensorshard on CUDA at one rank (NCCL, CUDA FusedAdam),
+#    fp32, bf16 and fp16 (tests/test_gpu.py).
+# 2. mpi_2ranks_1gpu: two ranks sharing the GPU (gloo for torch.distributed, since NCCL refuses two ranks
+#    on one device) with comm_backend "mpi": CUDA tensors go through pinned host memory, or directly when
+#    mpi4py reports a CUDA-aware MPI (the line says which); checked against stock ZeRO-2 on the CPU.
+# 3. checkpoint_resume_cuda: save at step 3 and resume on CUDA equals the uninterrupted run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TORCH_SPEC="${TORCH_SPEC:-torch}" source launch/setup_env.sh >/dev/null
+export DS_ACCELERATOR=cuda
+LOGS="${LOGS:-$(mktemp -d)}"
+failures=0
+
+check() {  # check NAME COMMAND...: run with a deadline, print one line
+    local name=$1; shift
+    if timeout --kill-after=10 240 "$@" >"$LOGS/$name.log" 2>&1; then
+        echo "PASS $name $(tail -n 1 "$LOGS/$name.log" | grep '^NOTE' | cut -c6-)"
+    else
+        echo "FAIL $name (log: $LOGS/$name.log)"; failures=$((failures + 1))
+    fi
+}
+
+check cuda_equivalence_1rank python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+check mpi_2ranks_1gpu python tests/gpu_check.py mpi "$LOGS/mpi"
+check checkpoint_resume_cuda python tests/gpu_check.py checkpoint "$LOGS/ckpt"
+exit "$failures"
