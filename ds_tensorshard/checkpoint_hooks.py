@@ -17,7 +17,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from .checkpoint_files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
-from .checkpoint_sources import CHECKPOINT_ID_KEY, MODEL_STATES, open_checkpoint
+from .checkpoint_sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
 from .config import TensorShardConfigError
 from .rank_file import parse_rank_file_name
 
@@ -91,10 +91,11 @@ def wrap_load_checkpoint(original):
             return call()
         if load_module_only or not (load_optimizer_states or universal):
             # stock reads no optimizer file then: the masters are refreshed from the loaded module
-            verify(os.path.join(load_dir, resolved, MODEL_STATES))
+            verify(os.path.join(load_dir, resolved, model_states_name(self.checkpoint_mp_rank)))
             source = None
         else:
-            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal)
+            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal,
+                                     mp_rank=self.checkpoint_mp_rank)
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self._tensorshard_source = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
@@ -117,7 +118,8 @@ def wrap_load_zero_checkpoint(original):
             return original(self, load_dir, tag, load_optimizer_states)
         source = getattr(self, "_tensorshard_source", None)
         if source is None:
-            source = open_checkpoint(os.path.join(load_dir, tag), universal=self.load_universal_checkpoint())
+            source = open_checkpoint(os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(),
+                                     mp_rank=self.checkpoint_mp_rank)
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self.optimizer.load_from_source(source, load_optimizer_states)
         return True

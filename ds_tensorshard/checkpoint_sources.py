@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -18,7 +19,18 @@ from .checkpoint_files import CheckpointError
 from .rank_file import RankFile, loss_scaler_fields, parse_rank_file_name, rank_file_name
 
 CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # model-parallel rank 0's, present in every checkpoint
+
+
+def model_states_name(mp_rank: int) -> str:
+    """DeepSpeed's name for a model-parallel rank's module file."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def mp_ranks(folder: str) -> list[int]:
+    """The model-parallel ranks a checkpoint folder holds module files of."""
+    found = (re.match(r"^mp_rank_(\d+)_model_states\.pt$", entry) for entry in os.listdir(folder))
+    return sorted(int(match.group(1)) for match in found if match)
 
 
 @dataclass
@@ -56,7 +68,7 @@ class CheckpointSource:
     shapes: dict[str, tuple[int, ...]]
     param_groups: list[dict]  # hyper-parameters per group; empty when the checkpoint has none
     scaler: Optional[ScalerState]
-    model_states: dict  # the checkpoint's mp_rank_00_model_states.pt (tensors memory-mapped)
+    model_states: dict  # the checkpoint's mp_rank_XX_model_states.pt of its model-parallel rank (memory-mapped)
 
     def tensor(self, name: str) -> TensorState:
         raise NotImplementedError
@@ -89,48 +101,54 @@ def _hyper(group: Mapping[str, Any]) -> dict:
     return {k: v for k, v in group.items() if k not in ("params", "step")}
 
 
-def _model_states(folder: str) -> dict:
-    path = os.path.join(folder, MODEL_STATES)
+def _model_states(folder: str, mp_rank: int) -> dict:
+    path = os.path.join(folder, model_states_name(mp_rank))
+    if mp_rank and not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {folder} has no {model_states_name(mp_rank)}: it was saved with "
+                              f"{len(mp_ranks(folder))} model-parallel rank(s); resume with the same tensor-parallel size")
     files.verify(path)
     return files.load(path)
 
 
-def _rank_files(folder: str, world_size: int) -> list[str]:
+def _rank_files(folder: str, world_size: int, mp_rank: int) -> list[str]:
     found: dict[int, str] = {}
     for entry in sorted(os.listdir(folder)):
         ranks = parse_rank_file_name(entry)
-        if ranks is not None and ranks[1] == 0 and ranks[0] < world_size:
+        if ranks is not None and ranks[1] == mp_rank and ranks[0] < world_size:
             found.setdefault(ranks[0], os.path.join(folder, entry))
     for rank in range(world_size):
         if rank not in found:
             raise CheckpointError(f"checkpoint {folder} was saved by {world_size} ranks but the optimizer file of "
-                                  f"rank {rank} ({rank_file_name(rank, bf16=False)}, or with the bf16_ prefix) "
-                                  "is missing")
+                                  f"rank {rank} ({rank_file_name(rank, bf16=False, mp_rank=mp_rank)}, or with the "
+                                  "bf16_ prefix) is missing")
     return [found[r] for r in range(world_size)]
 
 
-def open_checkpoint(folder: str, universal: bool = False) -> CheckpointSource:
-    """Open and check the checkpoint in ``folder`` (``<save_dir>/<tag>``)."""
+def open_checkpoint(folder: str, universal: bool = False, mp_rank: int = 0) -> CheckpointSource:
+    """Open and check model-parallel rank ``mp_rank``'s part of the checkpoint in ``folder`` (``<save_dir>/<tag>``)."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    return _open(folder, _model_states(folder), universal)
+    return _open(folder, _model_states(folder, mp_rank), universal, mp_rank)
 
 
-def _open(folder: str, model_states: dict, universal: bool) -> CheckpointSource:
+def _open(folder: str, model_states: dict, universal: bool, mp_rank: int) -> CheckpointSource:
     if universal:
+        if len(mp_ranks(folder)) > 1:
+            raise CheckpointError(f"universal checkpoint {folder} has several model-parallel ranks; ds_tensorshard "
+                                  "loads universal checkpoints without tensor parallelism only")
         source: CheckpointSource = UniversalSource(folder, model_states)
     else:
         world_size = int(model_states.get("dp_world_size", 1))
-        paths = _rank_files(folder, world_size)
+        paths = _rank_files(folder, world_size, mp_rank)
         for path in paths:
             files.verify(path)
         first = files.load(paths[0]).get("optimizer_state_dict")
         if not isinstance(first, Mapping):
             raise CheckpointError(f"{paths[0]} holds no optimizer state")
         if RankFile.holds(first):
-            source = TensorShardSource(folder, model_states, paths)
+            source = TensorShardSource(folder, model_states, paths, model_states_name(mp_rank))
         elif "single_partition_of_fp32_groups" in first:
-            source = ZeroSource(folder, model_states, paths)
+            source = ZeroSource(folder, model_states, paths, model_states_name(mp_rank))
         else:
             raise CheckpointError(f"{paths[0]} is neither a ds_tensorshard nor a stock ZeRO-1/2 optimizer file")
     source.model_states = model_states
@@ -142,14 +160,14 @@ class TensorShardSource(CheckpointSource):
 
     kind = "tensorshard"
 
-    def __init__(self, folder: str, model_states: Mapping, paths: list[str]) -> None:
+    def __init__(self, folder: str, model_states: Mapping, paths: list[str], states_name: str) -> None:
         self.folder, self.paths, self.world_size = folder, paths, len(paths)
         expected_id = model_states.get(CHECKPOINT_ID_KEY)
         self.where: dict[str, list[int]] = {}
         for rank, path in enumerate(paths):
             saved = self._read(path)
             if saved.checkpoint_id != expected_id:
-                raise CheckpointError(f"{path} comes from another save than {MODEL_STATES} in {folder} "
+                raise CheckpointError(f"{path} comes from another save than {states_name} in {folder} "
                                       "(an interrupted save); load an earlier tag")
             if saved.world_size != self.world_size or saved.rank != rank:
                 raise CheckpointError(f"{path} was written as rank {saved.rank} of {saved.world_size}")
@@ -196,11 +214,11 @@ class ZeroSource(CheckpointSource):
 
     kind = "zero"
 
-    def __init__(self, folder: str, model_states: Mapping, paths: list[str]) -> None:
+    def __init__(self, folder: str, model_states: Mapping, paths: list[str], states_name: str) -> None:
         self.folder, self.paths, self.world_size = folder, paths, len(paths)
         param_shapes = model_states.get("param_shapes")
         if not param_shapes:
-            raise CheckpointError(f"{os.path.join(folder, MODEL_STATES)} has no param_shapes")
+            raise CheckpointError(f"{os.path.join(folder, states_name)} has no param_shapes")
         self.group_names = [list(group) for group in param_shapes]
         self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
         self.sizes: list[list[int]] = []  # [rank][group] elements of the rank's (unpadded) partition

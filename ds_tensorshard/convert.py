@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from .checkpoint_files import CheckpointError, save_atomic, write_text_atomic
-from .checkpoint_sources import CHECKPOINT_ID_KEY, MODEL_STATES, CheckpointSource, open_checkpoint
+from .checkpoint_sources import (CHECKPOINT_ID_KEY, MODEL_STATES, CheckpointSource, model_states_name, mp_ranks,
+                                 open_checkpoint)
 from .plan import plan_ownership
 from .rank_file import RankFile, rank_file_name, restore_loss_scaler
 
@@ -54,8 +55,8 @@ def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: 
     return states
 
 
-def _rank_file(folder: str, rank: int, source: CheckpointSource) -> str:
-    return os.path.join(folder, rank_file_name(rank, _is_bf16(source)))
+def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:
+    return os.path.join(folder, rank_file_name(rank, _is_bf16(source), mp_rank))
 
 
 def _is_bf16(source: CheckpointSource) -> bool:
@@ -63,12 +64,12 @@ def _is_bf16(source: CheckpointSource) -> bool:
     return bool((config.get("bf16") or {}).get("enabled"))
 
 
-def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int) -> None:
+def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0) -> None:
     """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``)."""
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
     checkpoint_id = uuid.uuid4().hex
-    plan = plan_ownership(((n, int(torch.Size(s).numel())) for n, s in source.shapes.items()), world_size)
+    plan = plan_ownership(source.shapes.items(), world_size, split="never")  # which file holds which tensor
     groups = source.param_groups or [{} for _ in source.group_names]
     scaler = source.scaler
     for rank in range(world_size):
@@ -81,9 +82,8 @@ def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int
                              loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
                              overflow=scaler.overflow if scaler else False,
                              clip_grad=scaler.clip_grad if scaler else 0.0)
-        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source))
-    save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, MODEL_STATES))
-    write_text_atomic(os.path.join(dst, "latest"), tag)
+        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
+    save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
 
 
 def _stock_scaler_fields(source: CheckpointSource) -> dict:
@@ -96,7 +96,7 @@ def _stock_scaler_fields(source: CheckpointSource) -> dict:
             "dynamic_loss_scale": scaler.dynamic_loss_scale, "overflow": scaler.overflow, "clip_grad": scaler.clip_grad}
 
 
-def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int) -> None:
+def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
     param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks."""
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -135,26 +135,32 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
             "single_partition_of_fp32_groups": masters,
             "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
             "group_paddings": paddings, "partition_count": [world_size] * len(group_layouts),
-            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, source))
-    save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, MODEL_STATES))
-    write_text_atomic(os.path.join(dst, "latest"), tag)
+            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, source, mp_rank))
+    save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
 
 
 def convert(src: str, dst: str, to: str, tag: Optional[str] = None, world_size: int = 1, stage: int = 2,
             universal: bool = False) -> str:
-    """Convert the checkpoint at ``src``; returns what was written."""
+    """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
+
+    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``)."""
     folder, tag = resolve(src, tag, universal)
-    source = open_checkpoint(folder, universal=universal)
+    ranks = mp_ranks(folder) or [0]
+    sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
     if to == "fp32":
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        save_atomic(fp32_state_dict(source), dst)
+        stem, ext = os.path.splitext(dst)
+        for mp_rank, source in zip(ranks, sources):
+            save_atomic(fp32_state_dict(source), dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
         return dst
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
-    if to == "tensorshard":
-        to_tensorshard(source, dst, tag, world_size)
-    elif to == "zero":
-        to_zero(source, dst, tag, world_size, stage)
-    else:
+    if to not in ("tensorshard", "zero"):
         raise ValueError(f"unknown conversion target {to!r}")
+    for mp_rank, source in zip(ranks, sources):
+        if to == "tensorshard":
+            to_tensorshard(source, dst, tag, world_size, mp_rank)
+        else:
+            to_zero(source, dst, tag, world_size, stage, mp_rank)
+    write_text_atomic(os.path.join(dst, "latest"), tag)
     return os.path.join(dst, tag)

@@ -24,7 +24,11 @@ from typing import Any
 import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
-from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed import comm as dist
+from deepspeed.comm import pg_utils
+from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm, is_model_parallel_parameter
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from deepspeed.utils import logger
 
 from .buckets import Bucket, build_buckets
@@ -61,6 +65,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.check_grad_overflow = engine.fp16_enabled() or (
             engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
         self.compute_grad_norm = engine.zero_compute_grad_norm()
+        self.model_parallel_group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
+        self.model_parallel_rank = bwc_tensor_model_parallel_rank(engine.mpu)
         self._init_loss_scaling(engine)
         self.averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
         self.overflow = False
@@ -108,6 +114,13 @@ class TensorShardOptimizer(ZeROOptimizer):
                         f"({len(split)} split into dim-0 blocks) in {len(self.buckets)} buckets of at most "
                         f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
                         f"{describe_zero_mapping(engine._config._param_dict)}")
+
+    def _counted_in_norm(self, param: torch.nn.Parameter) -> bool:
+        """Stock's model-parallel rule: each tensor-parallel shard once, a replicated tensor on model-parallel
+        rank 0 only, a pipeline-replicated (tied) copy not at all."""
+        if getattr(param, PIPE_REPLICATED, False):
+            return False
+        return is_model_parallel_parameter(param) or self.model_parallel_rank == 0
 
     def _init_loss_scaling(self, engine: Any) -> None:
         self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=engine.loss_scale(),
@@ -198,8 +211,10 @@ class TensorShardOptimizer(ZeROOptimizer):
         overflow; the gradients are unscaled and clipped with the loss scale *after* its update."""
         self.reducer.drain()
         self.shard.gradients_to_masters()
-        partials = self.shard.squared_grad_norms().float()
+        partials = self.shard.squared_grad_norms(self._counted_in_norm).float()
         self.comm.all_reduce_sum(partials)
+        if pg_utils.is_parallel(self.model_parallel_group):  # tensor-parallel shards add up, as stock
+            dist.all_reduce(partials, group=self.model_parallel_group)
         group_norms = partials.pow(1.0 / 2)
         group_norms.masked_fill_(~torch.isfinite(group_norms), -1.0)
         scaled_norm = combine_grad_norm_groups(list(group_norms))

@@ -9,6 +9,7 @@ optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -39,7 +40,8 @@ class OwnedShard:
         self.blocks: dict[torch.nn.Parameter, Block] = {}
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
-        for group, owned in zip(optimizer.param_groups, owned_by_group):
+        self.group_of: dict[torch.nn.Parameter, int] = {}
+        for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
                 own = param.detach().view(-1)[block.start:block.stop].view(_block_shape(param, block))
@@ -49,6 +51,7 @@ class OwnedShard:
                     master = own.to(dtype=torch.float32, copy=True)
                 self.blocks[param] = block
                 self.masters[param] = master
+                self.group_of[param] = g
                 masters.append(master)
             group["params"] = masters
 
@@ -74,16 +77,15 @@ class OwnedShard:
             master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
 
     @torch.no_grad()
-    def squared_grad_norms(self) -> torch.Tensor:
-        """Per param group, the sum of squares of this rank's master gradients, in fp64 (as stock), a
-        chunk at a time so that no fp64 copy of a whole tensor is made."""
+    def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
+        """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
+        in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made."""
         totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=self.device)
-        for g, group in enumerate(self.optimizer.param_groups):
-            for master in group["params"]:
-                if master.grad is not None:
-                    for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
-                        wide = chunk.double()
-                        totals[g] += torch.dot(wide, wide)
+        for param, master in self.masters.items():
+            if master.grad is not None and counted(param):
+                for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
+                    wide = chunk.double()
+                    totals[self.group_of[param]] += torch.dot(wide, wide)
         return totals
 
     @torch.no_grad()

@@ -1,0 +1,107 @@
+"""Beyond pure data parallelism: tensor parallelism through an ``mpu`` (2 tensor-parallel x 2 data-parallel
+ranks), and the refusals of what is not supported (before any hook or state exists).
+
+TPGPT (tp_model.py) has column- and row-parallel linears and replicated norms; with the same ``mpu``
+ds_tensorshard must train exactly as stock ZeRO-1/2 (the global norm counts every tensor-parallel
+shard once and replicated tensors once), save one file set per model-parallel rank with stock's
+names, resume at another data-parallel size, and convert to and from stock ZeRO checkpoints.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compare import assert_run_matches
+from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+
+HERE = os.path.dirname(__file__)
+WORKER = os.path.join(HERE, "tp_worker.py")
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m in ("stock", "ts") for s in (1, 2)]
+
+
+def as_run(result: dict) -> dict:
+    return {"losses": [result["losses"][k] for k in sorted(result["losses"])], "params": result["params"]}
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    run_ranks([WORKER, str(out), "2", *CASES], 4)
+    port = free_port()
+    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
+                          env={**launcher_env(), "MASTER_PORT": str(port)}, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if ":ts:" in c] + ["fp32:tsmpi:2", "fp32:tsmpi:1"])
+def test_tensor_parallel_trains_as_stock_with_the_same_mpu(tp, case):
+    dtype, _, stage = case.split(":")
+    for rank in range(4):
+        ours, stock = tp(case, rank), tp(f"{dtype}:stock:{stage}", rank)
+        assert ours["optimizer_class"] == "TensorShardOptimizer"
+        assert_run_matches(as_run(ours), as_run(stock), dtype, f"{case} rank {rank}")
+        for step, norm in stock["norms"].items():  # the model-parallel norm rule
+            assert abs(ours["norms"][step] - norm) <= 1e-5 * norm, (case, rank, step)
+
+
+def test_tensor_parallel_ranks_hold_their_shards_and_the_same_replicas(tp):
+    ranks = [tp("fp32:ts:2", r)["params"] for r in range(4)]  # rank = dp * 2 + tp
+    assert torch.equal(ranks[0]["blocks.0.ln.weight"], ranks[1]["blocks.0.ln.weight"])  # replicated
+    assert not torch.equal(ranks[0]["blocks.0.fc_weight"], ranks[1]["blocks.0.fc_weight"])  # shards differ
+    assert torch.equal(ranks[0]["blocks.0.fc_weight"], ranks[2]["blocks.0.fc_weight"])  # data-parallel copies
+
+
+# -- checkpoints per model-parallel rank ------------------------------------------------------------
+
+def train(out, world, *args):
+    run_ranks([WORKER, str(out), "2", *map(str, args)], world)
+    return [torch.load(out / f"{args[0].replace(':', '_')}.rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp_ckpt")
+    runs = {"dir": d}
+    for name in ("ref", "l21", "stock", "ls21", "lz21"):
+        (d / name).mkdir()
+    runs["ref"] = train(d / "ref", 4, "fp32:ts:2", "--save", d / "c")  # 2 tp x 2 dp, saved at step 3
+    runs["2to1"] = train(d / "l21", 2, "fp32:ts:2", "--load", d / "c")  # 2 tp x 1 dp
+    runs["stock"] = train(d / "stock", 4, "fp32:stock:2", "--save", d / "s")
+    runs["stock2to1"] = train(d / "ls21", 2, "fp32:ts:2", "--load", d / "s")
+    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(d / "c"),
+                           str(d / "z"), "--to", "zero", "--world-size", "1"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runs["zero2to1"] = train(d / "lz21", 2, "fp32:stock:2", "--load", d / "z")
+    return runs
+
+
+def assert_resumed(resumed: list[dict], reference: list[dict]) -> None:
+    for tp_rank, ours in enumerate(resumed):  # data-parallel rank 0 of each tensor-parallel rank
+        ref = reference[tp_rank]
+        assert sorted(ours["losses"]) == [3, 4, 5]
+        for step, loss in ours["losses"].items():
+            assert abs(loss - ref["losses"][step]) <= 1e-5, (tp_rank, step)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_files_per_model_parallel_rank_with_stocks_names(tp_checkpoints):
+    names = sorted(os.listdir(tp_checkpoints["dir"] / "c" / "step3"))
+    for mp in (0, 1):
+        assert f"mp_rank_{mp:02d}_model_states.pt" in names
+        for dp in (0, 1):
+            assert f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt" in names
+
+
+@pytest.mark.parametrize("resumed", ["2to1", "stock2to1", "zero2to1"])
+def test_resume_at_another_data_parallel_size_with_the_same_tensor_parallel_size(tp_checkpoints, resumed):
+    reference = tp_checkpoints["stock" if resumed == "stock2to1" else "ref"]
+    assert_resumed(tp_checkpoints[resumed], reference)
