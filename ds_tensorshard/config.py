@@ -106,6 +106,37 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     return config
 
 
+def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:
+    """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
+
+    Supported: pure data parallelism and tensor parallelism through an ``mpu`` (Megatron-style)."""
+    from deepspeed.pipe import PipelineModule
+    stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
+    if isinstance(model, PipelineModule):
+        if stage >= 2:
+            raise TensorShardConfigError(
+                "a PipelineModule with 'zero_optimization.stage' 2: ZeRO-2 and ZeRO-3 are incompatible with "
+                "pipeline parallelism (stock DeepSpeed refuses it too); use stage 1")
+        raise TensorShardConfigError(
+            "a PipelineModule (pipeline parallelism) is not supported by ds_tensorshard yet; disable "
+            f"'{BLOCK}.enabled' to train it with stock ZeRO-1")
+    sp_size = param_dict.get("sequence_parallel_size", 1)
+    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if sp_size > 1 or (mpu_sp is not None and mpu_sp() > 1):
+        raise TensorShardConfigError(
+            f"sequence parallelism ('sequence_parallel_size' {sp_size if sp_size > 1 else mpu_sp()}) is not "
+            f"supported by ds_tensorshard; disable '{BLOCK}.enabled' for it")
+    autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if autotp and autotp > 1:
+        raise TensorShardConfigError(f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "
+                                     "ds_tensorshard; pass a Megatron-style mpu to deepspeed.initialize instead")
+    expert = next((name for name, p in model.named_parameters() if getattr(p, "allreduce", True) is False), None)
+    if expert is not None:
+        raise TensorShardConfigError(
+            f"MoE expert parameter '{expert}' (allreduce=False): mixture-of-experts layers are not supported by "
+            f"ds_tensorshard; disable '{BLOCK}.enabled' for this model")
+
+
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse inner optimizers other than the Adam family (FusedAdam, torch Adam/AdamW)."""
     name = type(optimizer).__name__

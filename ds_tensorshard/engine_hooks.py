@@ -18,7 +18,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
 from .checkpoint_hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
-from .config import TensorShardConfig, check_shardable, validate_engine_config
+from .config import TensorShardConfig, check_shardable, validate_engine_config, validate_parallel_layout
 
 _MARK = "_ds_tensorshard_original"
 _INIT_SIGNATURE = inspect.signature(DeepSpeedEngine.__init__)
@@ -36,6 +36,9 @@ def _wrap_init(original):
         if config_class is not None:
             self._tensorshard_config = validate_engine_config(config_class._param_dict,
                                                               bound.arguments.get("optimizer"))
+            if self._tensorshard_config is not None:
+                validate_parallel_layout(bound.arguments.get("model"), bound.arguments.get("mpu"),
+                                         config_class._param_dict)
             if self._tensorshard_config is not None and self._tensorshard_config.comm_backend == "mpi":
                 from .mpi_comm import check_mpi_world
                 check_mpi_world()

@@ -105,3 +105,61 @@ def test_files_per_model_parallel_rank_with_stocks_names(tp_checkpoints):
 def test_resume_at_another_data_parallel_size_with_the_same_tensor_parallel_size(tp_checkpoints, resumed):
     reference = tp_checkpoints["stock" if resumed == "stock2to1" else "ref"]
     assert_resumed(tp_checkpoints[resumed], reference)
+
+
+# -- refused layouts: named, at initialize, before the model is touched (one rank, in this process) ---------
+
+def _refused(model, config, message, mpu=None):
+    import deepspeed
+
+    import ds_tensorshard  # noqa: F401
+    from ds_tensorshard.config import TensorShardConfigError
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "tensorshard": {"enabled": True}, "bf16": {"enabled": True}, **config}
+    with pytest.raises(TensorShardConfigError, match=message):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    # the bf16 cast of an engine that got further would have changed the weights
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(hasattr(p, "_tensorshard_hook") for p in model.parameters())
+
+
+class _SequenceParallelMpu:
+    def get_sequence_parallel_world_size(self) -> int:
+        return 2
+
+
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.parametrize("stage,message", [(2, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+                                           (1, "a PipelineModule \\(pipeline parallelism\\) is not supported")])
+def test_pipeline_module_is_refused(stage, message):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    torch.manual_seed(0)
+    model = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1,
+                           loss_fn=torch.nn.MSELoss())
+    _refused(model, {"zero_optimization": {"stage": stage}}, message)
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_sequence_parallelism_is_refused():
+    _refused(torch.nn.Linear(4, 4), {"zero_optimization": {"stage": 2}}, "sequence parallelism", _SequenceParallelMpu())
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_autotp_is_refused():
+    _refused(torch.nn.Linear(4, 4), {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}},
+             "'tensor_parallel.autotp_size' 2")
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_is_refused_naming_the_first_expert_parameter():
+    from deepspeed.moe.layer import MoE
+
+    class WithExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1, k=1)
+
+        def forward(self, x):
+            return self.moe(x)[0].sum()
+    _refused(WithExperts(), {"zero_optimization": {"stage": 2}}, r"MoE expert parameter 'moe\.deepspeed_moe\.experts")
