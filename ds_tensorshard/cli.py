@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
     add_arguments(bench)
     bench.set_defaults(func=lambda args: run(args) and 0)
+
+    from . import report as report_command
+    report = sub.add_parser("report", help="versions, MPI library, transports, FusedAdam, stale build locks; "
+                                           "whether --config would be accepted; the plan at --world-size")
+    report_command.add_arguments(report)
+    report.set_defaults(func=report_command.run)
     return parser
 
 
