@@ -138,9 +138,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                          f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})")
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
-    from tqdm import tqdm
+    from .progress import bar as progress_bar
     results = []
-    with tqdm(total=len(args.configs), desc="bench", unit="config") as bar:
+    with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
         for config in args.configs:
             bar.set_postfix_str(LABELS[config])
             results.append(summarize(config, run_config(config, args, raw_dir)))

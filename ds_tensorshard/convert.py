@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,12 +31,18 @@ def resolve(checkpoint_dir: str, tag: Optional[str] = None, universal: bool = Fa
     return os.path.join(checkpoint_dir, tag), tag
 
 
-def fp32_state_dict(source: CheckpointSource) -> dict[str, torch.Tensor]:
+Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
+
+
+def fp32_state_dict(source: CheckpointSource, progress: Optional[Progress] = None) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
-    tensors and buffers from the saved module; tied aliases share their owner's tensor."""
+    tensors and buffers from the saved module; tied aliases share their owner's tensor.
+    ``progress(done, total)`` is called after each module entry."""
     module = source.model_states["module"]
     out: dict[str, torch.Tensor] = {}
-    for name, value in module.items():
+    for done, (name, value) in enumerate(module.items(), 1):
+        if progress is not None:
+            progress(done, len(module))
         if name in source.shapes:
             out[name] = source.tensor(name).master.clone()
         elif torch.is_tensor(value):
@@ -64,19 +70,25 @@ def _is_bf16(source: CheckpointSource) -> bool:
     return bool((config.get("bf16") or {}).get("enabled"))
 
 
-def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0) -> None:
-    """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``)."""
+def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0,
+                   progress: Optional[Progress] = None) -> None:
+    """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``).
+    ``progress(done, total)`` is called after each tensor read."""
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
     checkpoint_id = uuid.uuid4().hex
     plan = plan_ownership(source.shapes.items(), world_size, split="never")  # which file holds which tensor
     groups = source.param_groups or [{} for _ in source.group_names]
     scaler = source.scaler
+    done = 0
     for rank in range(world_size):
         tensors = {}
         for name in plan.names_of(rank):
             saved = source.tensor(name)
             tensors[name] = {"master": saved.master, **saved.state}
+            done += 1
+            if progress is not None:
+                progress(done, len(source.shapes))
         rank_file = RankFile(checkpoint_id=checkpoint_id, world_size=world_size, rank=rank, tensors=tensors,
                              group_names=source.group_names, shapes=source.shapes, param_groups=groups,
                              loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
@@ -96,9 +108,11 @@ def _stock_scaler_fields(source: CheckpointSource) -> dict:
             "dynamic_loss_scale": scaler.dynamic_loss_scale, "overflow": scaler.overflow, "clip_grad": scaler.clip_grad}
 
 
-def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0) -> None:
+def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0,
+            progress: Optional[Progress] = None) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
-    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks."""
+    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks.
+    ``progress(done, total)`` is called after each rank's file."""
     from deepspeed.runtime.zero.config import ZeroStageEnum
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
@@ -136,14 +150,18 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
             "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
             "group_paddings": paddings, "partition_count": [world_size] * len(group_layouts),
             "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, source, mp_rank))
+        if progress is not None:
+            progress(rank + 1, world_size)
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
 
 
 def convert(src: str, dst: str, to: str, tag: Optional[str] = None, world_size: int = 1, stage: int = 2,
-            universal: bool = False) -> str:
+            universal: bool = False, progress: Optional[Progress] = None) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
-    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``)."""
+    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
+    Without ``progress``, a bar per model-parallel rank is shown when stdout is a terminal (nothing otherwise)."""
+    from .progress import terminal_callback
     folder, tag = resolve(src, tag, universal)
     ranks = mp_ranks(folder) or [0]
     sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
@@ -151,16 +169,20 @@ def convert(src: str, dst: str, to: str, tag: Optional[str] = None, world_size: 
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
         stem, ext = os.path.splitext(dst)
         for mp_rank, source in zip(ranks, sources):
-            save_atomic(fp32_state_dict(source), dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
+            label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
+            save_atomic(fp32_state_dict(source, progress or terminal_callback(label)),
+                        dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
         return dst
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
     if to not in ("tensorshard", "zero"):
         raise ValueError(f"unknown conversion target {to!r}")
     for mp_rank, source in zip(ranks, sources):
+        label = f"convert to {to}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
+        report = progress or terminal_callback(label, "tensor" if to == "tensorshard" else "rank file")
         if to == "tensorshard":
-            to_tensorshard(source, dst, tag, world_size, mp_rank)
+            to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:
-            to_zero(source, dst, tag, world_size, stage, mp_rank)
+            to_zero(source, dst, tag, world_size, stage, mp_rank, report)
     write_text_atomic(os.path.join(dst, "latest"), tag)
     return os.path.join(dst, tag)

@@ -15,6 +15,7 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard
+from ds_tensorshard import progress
 from ds_tensorshard.comm import close_process_group
 from ds_tensorshard.models import PRESETS, build, synthetic_batch
 
@@ -33,16 +34,14 @@ def optimizer_state_bytes(optimizer, model) -> int:
 
 
 def train(config: dict, steps: int, preset: str, show_progress: bool) -> tuple[list[float], int]:
+    """Train ``steps`` optimizer steps; a bar on rank 0 when ``show_progress`` (stdout is a terminal)."""
     torch.manual_seed(0)
     model = build(preset)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, micro = dist.get_rank(), engine.train_micro_batch_size_per_gpu()
     generator = torch.Generator().manual_seed(1000 + rank)
     losses = []
-    bar = None
-    if show_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=steps, desc="train", unit="step")
+    bar = progress.bar(steps, "train", "step", show=show_progress)
     for _ in range(steps * engine.gradient_accumulation_steps()):
         tokens = synthetic_batch(micro, PRESETS[preset]["seq"], PRESETS[preset]["vocab"], generator).to(engine.device)
         loss = engine(tokens)
@@ -52,11 +51,9 @@ def train(config: dict, steps: int, preset: str, show_progress: bool) -> tuple[l
             mean = loss.detach().float().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / dist.get_world_size())
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    if bar is not None:
-        bar.close()
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     return losses, optimizer_state_bytes(optimizer, engine.module)
 
 
@@ -78,7 +75,7 @@ def main() -> None:
     deepspeed.init_distributed()
     rank = dist.get_rank()
 
-    losses, ts_bytes = train(config, args.steps, args.preset, show_progress=rank == 0)
+    losses, ts_bytes = train(config, args.steps, args.preset, show_progress=rank == 0 and progress.interactive())
     stock = copy.deepcopy(config)
     stock.pop("tensorshard", None)
     stock["zero_optimization"] = {**stock.get("zero_optimization", {}), "stage": 2}
