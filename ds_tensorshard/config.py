@@ -109,17 +109,20 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:
     """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
 
-    Supported: pure data parallelism and tensor parallelism through an ``mpu`` (Megatron-style)."""
+    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style) and pipeline
+    parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows)."""
     from deepspeed.pipe import PipelineModule
     stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
-    if isinstance(model, PipelineModule):
-        if stage >= 2:
-            raise TensorShardConfigError(
-                "a PipelineModule with 'zero_optimization.stage' 2: ZeRO-2 and ZeRO-3 are incompatible with "
-                "pipeline parallelism (stock DeepSpeed refuses it too); use stage 1")
+    if isinstance(model, PipelineModule) and stage >= 2:
         raise TensorShardConfigError(
-            "a PipelineModule (pipeline parallelism) is not supported by ds_tensorshard yet; disable "
-            f"'{BLOCK}.enabled' to train it with stock ZeRO-1")
+            "a PipelineModule with 'zero_optimization.stage' 2: ZeRO-2 and ZeRO-3 are incompatible with "
+            "pipeline parallelism (stock DeepSpeed refuses it too); use stage 1")
+    accum = (param_dict.get("data_types") or {}).get("grad_accum_dtype")
+    low_precision = (param_dict.get("bf16") or {}).get("enabled") or (param_dict.get("fp16") or {}).get("enabled")
+    if isinstance(model, PipelineModule) and low_precision and accum in ("fp32", "float32", "float"):
+        raise TensorShardConfigError(
+            "a PipelineModule with 'data_types.grad_accum_dtype' fp32 in bf16/fp16 training is not supported by "
+            f"ds_tensorshard (stock runs it through its BF16_Optimizer); remove the key or disable '{BLOCK}.enabled'")
     sp_size = param_dict.get("sequence_parallel_size", 1)
     mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
     if sp_size > 1 or (mpu_sp is not None and mpu_sp() > 1):

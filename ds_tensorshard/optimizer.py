@@ -27,6 +27,7 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScal
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm, is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from deepspeed.utils import logger
@@ -98,6 +99,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.held: dict[torch.nn.Parameter, torch.Tensor] | None = \
             {} if not self.partition_gradients and accum_dtype != self.dtype else None
         self._inside_no_sync = lambda: engine.inside_no_sync_ctxt
+        # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
+        self.pipeline = isinstance(engine, PipelineEngine)
         init_optimizer.add_param_group = self.add_param_group  # the inner optimizer refuses them too
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
         self.reducer = OverlappedReducer(self._build_buckets(list(reversed(self.params))), self.comm, self.averaging,
@@ -176,7 +179,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         boundary's, outside ``engine.no_sync()``), hand the gradient to the reducer, which starts
         complete buckets at once. Otherwise (stage 1) the gradient accumulates, in the model or held
         in ``grad_accum_dtype``."""
-        reducing = self.partition_gradients or (self.is_gradient_accumulation_boundary() and not self._inside_no_sync())
+        reducing = self.partition_gradients or (self.is_gradient_accumulation_boundary() and not self._inside_no_sync()
+                                                and not self.pipeline)
         if self.held is not None and (param in self.held or not reducing):
             held = self.held.get(param)
             self.held[param] = param.grad.to(self.shard.accum_dtype) if held is None else held.add_(param.grad)
