@@ -109,8 +109,9 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:
     """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
 
-    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style) and pipeline
-    parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows)."""
+    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style), pipeline
+    parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows) and Ulysses sequence parallelism
+    through an ``mpu``."""
     from deepspeed.pipe import PipelineModule
     stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
     if isinstance(model, PipelineModule) and stage >= 2:
@@ -123,12 +124,11 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
         raise TensorShardConfigError(
             "a PipelineModule with 'data_types.grad_accum_dtype' fp32 in bf16/fp16 training is not supported by "
             f"ds_tensorshard (stock runs it through its BF16_Optimizer); remove the key or disable '{BLOCK}.enabled'")
-    sp_size = param_dict.get("sequence_parallel_size", 1)
-    mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
-    if sp_size > 1 or (mpu_sp is not None and mpu_sp() > 1):
+    if param_dict.get("sequence_parallel_size", 1) > 1:
         raise TensorShardConfigError(
-            f"sequence parallelism ('sequence_parallel_size' {sp_size if sp_size > 1 else mpu_sp()}) is not "
-            f"supported by ds_tensorshard; disable '{BLOCK}.enabled' for it")
+            f"'sequence_parallel_size' {param_dict['sequence_parallel_size']} (DeepSpeed's device-mesh sequence "
+            "parallelism) is not supported by ds_tensorshard; give deepspeed.initialize an mpu with sequence-parallel "
+            "groups instead (Megatron-DeepSpeed style, tested with Ulysses DistributedAttention)")
     autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0)
     if autotp and autotp > 1:
         raise TensorShardConfigError(f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "

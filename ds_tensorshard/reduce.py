@@ -29,14 +29,17 @@ class Averaging:
 
     @classmethod
     def like_deepspeed(cls, engine: Any, world_size: int) -> "Averaging":
+        """``world_size``: the reducing group's (sequence x data parallel); the mean is over data-parallel
+        ranks only, as stock divides by world / sequence_parallel_size (sequence shards add up)."""
         comm_dtype = engine._config.communication_data_type
         if not engine.gradient_average:
             return cls(comm_dtype=comm_dtype)
+        data_parallel = world_size / float(engine.sequence_parallel_size)
         if engine.zero_reduce_scatter() or not engine.zero_contiguous_gradients() or not engine.postscale_gradients():
-            return cls(divide_before=float(world_size), comm_dtype=comm_dtype)
+            return cls(divide_before=data_parallel, comm_dtype=comm_dtype)
         predivide = float(engine.gradient_predivide_factor())
-        return cls(scale_before=1.0 / predivide, scale_after=1.0 if predivide == world_size else predivide / world_size,
-                   comm_dtype=comm_dtype)
+        return cls(scale_before=1.0 / predivide,
+                   scale_after=1.0 if predivide == world_size else predivide / data_parallel, comm_dtype=comm_dtype)
 
 
 IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive

@@ -19,8 +19,11 @@ TOLERANCE = {  # loss atol, norm rtol, param rtol, param atol, param mean |diff|
 }
 
 
-def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str) -> None:
-    """Same losses, grad norms, skipped steps and final parameters (an equivalence worker's results)."""
+def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str, loose: dict | None = None) -> None:
+    """Same losses, grad norms, skipped steps and final parameters (an equivalence worker's results).
+
+    ``loose``: parameter name -> absolute tolerance, for a tensor whose true gradient is zero (an attention's
+    key bias), where Adam turns the rounding noise of another summation order into lr-sized steps."""
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(reference["losses"]), rtol=0,
                                atol=tol["loss"], msg=lambda m: f"{where} losses: {m}")
@@ -31,6 +34,9 @@ def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str) -> N
     assert ours["params"].keys() == reference["params"].keys(), where
     for name, value in reference["params"].items():
         a = ours["params"][name]
+        if loose and name in loose:
+            torch.testing.assert_close(a, value, rtol=0, atol=loose[name], msg=lambda m: f"{where} {name}: {m}")
+            continue
         torch.testing.assert_close(a, value, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{where} {name}: {m}")
         if value.numel():
             assert (a - value).abs().mean() <= tol["mean"], f"{where} {name}: mean |diff| {(a - value).abs().mean()}"
