@@ -264,11 +264,11 @@ class ZeroSource(CheckpointSource):
         first = files.load(self.paths[0])["optimizer_state_dict"]
         group_state = _base_state(first, g)
         master = self._flat_range(g, start, numel, lambda s, g: s["single_partition_of_fp32_groups"][g])
-        if "exp_avg" not in group_state:
-            return TensorState(master.view(shape), {})
+        keys = [k for k, v in group_state.items() if torch.is_tensor(v) and v.dim() == 1]  # flat per-element state
         state: dict[str, Any] = {k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape)
-                                 for k in ("exp_avg", "exp_avg_sq")}
-        state["step"] = _as_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
+                                 for k in keys}
+        if state or "step" in group_state:
+            state["step"] = _as_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
         return TensorState(master.view(shape), state)
 
 

@@ -11,8 +11,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 BLOCK = "tensorshard"
-SHARDABLE_OPTIMIZER_TYPES = ("adam", "adamw")
-SHARDABLE_OPTIMIZER_CLASSES = ("FusedAdam", "Adam", "AdamW")
 DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in flight cost little memory
 
 
@@ -93,16 +91,18 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             raise TensorShardConfigError("'prescale_gradients' is not supported with ZeRO stage 2 and "
                                          "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
                                          "set reduce_scatter to false or remove it")
+    from .inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:
             raise TensorShardConfigError(
-                f"'{BLOCK}.enabled' needs an 'optimizer' block of type Adam or AdamW (or a client Adam optimizer)")
-        if str(opt_type).lower() not in SHARDABLE_OPTIMIZER_TYPES:
+                f"'{BLOCK}.enabled' needs an 'optimizer' block (or a client optimizer given to deepspeed.initialize)")
+        refused = REFUSED_TYPES.get(str(opt_type).lower())
+        if refused is not None:
             raise TensorShardConfigError(
-                f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard; use Adam or AdamW")
+                f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard: {REFUSED[refused]}")
     elif isinstance(client_optimizer, torch.optim.Optimizer):
-        check_shardable(client_optimizer)
+        check_supported(client_optimizer)
     return config
 
 
@@ -138,16 +138,6 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
         raise TensorShardConfigError(
             f"MoE expert parameter '{expert}' (allreduce=False): mixture-of-experts layers are not supported by "
             f"ds_tensorshard; disable '{BLOCK}.enabled' for this model")
-
-
-def check_shardable(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse inner optimizers other than the Adam family (FusedAdam, torch Adam/AdamW)."""
-    name = type(optimizer).__name__
-    if name not in SHARDABLE_OPTIMIZER_CLASSES:
-        raise TensorShardConfigError(
-            f"optimizer {name} cannot be sharded by ds_tensorshard; use Adam or AdamW ('optimizer.type')")
-    if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise TensorShardConfigError("optimizer param group key 'amsgrad' is not supported by ds_tensorshard")
 
 
 def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> int:

@@ -108,6 +108,26 @@ def _stock_scaler_fields(source: CheckpointSource) -> dict:
             "dynamic_loss_scale": scaler.dynamic_loss_scale, "overflow": scaler.overflow, "clip_grad": scaler.clip_grad}
 
 
+def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[str]:
+    """The optimizer-state keys of a param group that stock ZeRO can hold as flat slices: tensors shaped like
+    the parameter (Adam's moments, Adagrad's sum, Lion's exp_avg...). Other state (Adafactor's factors) has
+    no flat layout: refused, naming it."""
+    if not names:
+        return []
+    probe = source.tensor(names[0])
+    numel = probe.master.numel()
+    keys = []
+    for key, value in probe.state.items():
+        if not torch.is_tensor(value) or value.dim() == 0:
+            continue
+        if value.numel() != numel:
+            raise CheckpointError(f"optimizer state '{key}' of tensor '{names[0]}' has {value.numel()} elements for a "
+                                  f"{numel}-element tensor: stock ZeRO keeps state as flat slices of the parameters, "
+                                  "so this optimizer's checkpoint cannot be converted to it")
+        keys.append(key)
+    return sorted(keys)
+
+
 def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0,
             progress: Optional[Progress] = None) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
@@ -121,11 +141,12 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
         total = sum(int(torch.Size(source.shapes[n]).numel()) for n in names)
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
+    keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
     step = None
     for rank in range(world_size):
         masters, state, paddings = [], {}, []
         for g, (names, total, part) in enumerate(group_layouts):
-            flats = {k: torch.zeros(part) for k in ("master", "exp_avg", "exp_avg_sq")}
+            flats = {k: torch.zeros(part) for k in ("master", *keys[g])}
             lo, hi, offset = rank * part, (rank + 1) * part, 0
             for name in names:
                 numel = int(torch.Size(source.shapes[name]).numel())
@@ -141,7 +162,7 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
             padding = max(0, min(part, hi - total))
             paddings.append(padding)
             masters.append(flats["master"][:part - padding].clone())
-            state[g] = {"step": step or 0, "exp_avg": flats["exp_avg"], "exp_avg_sq": flats["exp_avg_sq"]}
+            state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
         hyper = source.param_groups or [{} for _ in group_layouts]
         save_atomic({"optimizer_state_dict": {
             **_stock_scaler_fields(source),

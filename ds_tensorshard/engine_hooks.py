@@ -18,7 +18,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
 from .checkpoint_hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
-from .config import TensorShardConfig, check_shardable, validate_engine_config, validate_parallel_layout
+from .config import TensorShardConfig, validate_engine_config, validate_parallel_layout
+from .inner_optimizer import check_supported
 
 _MARK = "_ds_tensorshard_original"
 _INIT_SIGNATURE = inspect.signature(DeepSpeedEngine.__init__)
@@ -51,7 +52,7 @@ def _wrap_sanity_check(original):
     def _do_optimizer_sanity_check(self, basic_optimizer):
         if _enabled_config(self) is None:
             return original(self, basic_optimizer)
-        check_shardable(basic_optimizer)
+        check_supported(basic_optimizer)
         return ZERO_OPTIMIZATION
     return _do_optimizer_sanity_check
 

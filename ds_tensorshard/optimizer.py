@@ -36,7 +36,8 @@ from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
 from .checkpoint_sources import CheckpointSource
 from .comm import TorchComm
-from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, check_shardable, describe_zero_mapping
+from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, describe_zero_mapping
+from .inner_optimizer import check_supported, keep_owned_state, step_value, whole_matrix_params
 from .gather import Gather, gather_buckets
 from .many import joint_plan
 from .plan import OwnershipPlan, plan_ownership
@@ -56,7 +57,8 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, engine: Any, config: TensorShardConfig) -> None:
         super().__init__()
-        check_shardable(init_optimizer)
+        check_supported(init_optimizer)
+        eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
         self.comm = _transport(config.comm_backend, self.dp_process_group)
@@ -79,11 +81,13 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
+        whole = {self.names[p] for p in whole_matrix_params(init_optimizer) if p in self.names}
         self.plan = joint_plan() or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
                                                    self.comm.world_size,
                                                    param_names={id(p): name for p, name in self.names.items()},
-                                                   split=config.split_tensors)
+                                                   split=config.split_tensors, unsplittable=whole)
         _check_plan_covers(self.plan, self.params, self.comm.world_size)
+        _check_whole(self.plan, self.params, self.names, whole, type(init_optimizer).__name__)
         # an engine of initialize_many leaves its last reductions in flight after backward, to run
         # during the next model's backward; its step() (or zero_grad()) completes them
         self.reduce_in_background = joint_plan() is not None
@@ -95,6 +99,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
         accum_dtype = engine.get_data_types()[1]
         self.shard = OwnedShard(init_optimizer, owned, accum_dtype, engine.device)
+        keep_owned_state(init_optimizer, self.shard.masters.values(), eager_state)
         # stage 1 with grad_accum_dtype wider than the model's: micro-step gradients are held in that dtype
         self.held: dict[torch.nn.Parameter, torch.Tensor] | None = \
             {} if not self.partition_gradients and accum_dtype != self.dtype else None
@@ -317,17 +322,22 @@ class TensorShardOptimizer(ZeROOptimizer):
     @torch.no_grad()
     def load_from_source(self, source: CheckpointSource, load_optimizer_states: bool = True) -> None:
         """Take the owned tensors' masters (and moments, step, hyper-parameters, loss scale) from a checkpoint."""
-        fused = type(self.optimizer).__name__ == "FusedAdam"
         for param, master in self.shard.masters.items():
             saved = source.tensor(self.names[param])
             block = self.shard.blocks[param]
-            own = lambda t: t.reshape(-1)[block.start:block.stop].view_as(master)  # noqa: E731 - this rank's block
+
+            def own(t: torch.Tensor) -> torch.Tensor:
+                """This rank's block of a tensor shaped like the parameter; other state (factors) as saved."""
+                if t.numel() != param.numel():
+                    return t
+                return t.reshape(-1)[block.start:block.stop].view_as(master)
             master.copy_(own(saved.master))
             self.optimizer.state.pop(master, None)
             if load_optimizer_states and saved.state:
                 state = {k: own(v).to(master.device).contiguous() if torch.is_tensor(v) else v
                          for k, v in saved.state.items() if k != "step"}
-                state["step"] = self._step_value(int(saved.state.get("step", 0)), master, fused)
+                if "step" in saved.state:
+                    state["step"] = step_value(self.optimizer, master, saved.state["step"])
                 self.optimizer.state[master] = state
         if load_optimizer_states:
             for group, saved_group in zip(self.optimizer.param_groups, source.param_groups):
@@ -336,15 +346,6 @@ class TensorShardOptimizer(ZeROOptimizer):
                 self.loss_scaler = restore_loss_scaler(source.scaler.loss_scaler, self.dtype)
                 self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
                 self.overflow = source.scaler.overflow
-
-    def _step_value(self, step: int, master: torch.Tensor, fused_adam: bool) -> Any:
-        """``step`` as the inner optimizer keeps it: an int for FusedAdam; for torch's optimizers an fp32
-        tensor, on the parameter's device when the group is ``fused`` or ``capturable`` (as torch loads it)."""
-        if fused_adam:
-            return step
-        group = next(g for g in self.optimizer.param_groups if any(m is master for m in g["params"]))
-        on_device = group.get("fused") or group.get("capturable")
-        return torch.tensor(float(step), dtype=torch.float32, device=master.device if on_device else "cpu")
 
     @torch.no_grad()
     def update_lp_params(self) -> None:
@@ -375,6 +376,15 @@ def _check_plan_covers(plan: OwnershipPlan, params: list, world_size: int) -> No
     if missing is not None:
         raise ValueError(f"a trainable parameter of shape {tuple(missing.shape)} is not in the shared plan: "
                          "initialize_many plans the models' named_parameters() that require grad")
+
+
+def _check_whole(plan: OwnershipPlan, params: list, names: dict, whole: set, optimizer: str) -> None:
+    """A tensor the inner optimizer needs whole must not have been split (a joint plan is made without it)."""
+    split = next((names[p] for p in params if names[p] in whole and len(plan.blocks_of(p)) > 1), None)
+    if split is not None:
+        raise TensorShardConfigError(
+            f"tensor '{split}' is split in the shared plan, but {optimizer} updates whole matrices; give the models "
+            "of initialize_many 'tensorshard.split_tensors': 'never'")
 
 
 def _transport(backend: str, group: Any) -> Any:

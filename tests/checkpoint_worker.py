@@ -1,7 +1,7 @@
 """One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
-    [--die-during-save-at K] [--universal] [--split auto|never]
+    [--die-during-save-at K] [--universal] [--split auto|never] [--optimizer NAME]
 
 The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
 batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
@@ -24,6 +24,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 import ds_tensorshard  # noqa: E402, F401
 from ds_tensorshard.comm import close_process_group  # noqa: E402
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
+from optimizers import setup  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
+    parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
     args = parser.parse_args()
     get_accelerator().is_fp16_supported = lambda: True
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -70,7 +72,9 @@ def main() -> None:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    client = setup(args.optimizer, model, config) if args.optimizer else None
+    groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, optimizer=client)
     if args.load:
         path, client_state = engine.load_checkpoint(args.load)
         assert path is not None, f"nothing loaded from {args.load}"

@@ -234,7 +234,7 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     migrated = json.loads((tmp_path / "out.json").read_text())
     assert migrated["tensorshard"] == {"enabled": True, "comm_backend": "torch"}
     assert "offload_optimizer" not in migrated["zero_optimization"]
-    assert "zero_allow_untested_optimizer" not in migrated
+    assert migrated["zero_allow_untested_optimizer"] is True  # kept: stock needs it for non-Adam optimizers
     assert "zero_optimization.offload_optimizer: dropped" in out
     for key in list(stock["zero_optimization"]) + [k for k in stock if k != "zero_optimization"]:
         assert key in out, key
@@ -244,7 +244,7 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
 
 def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
     for config, message in [({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
-                            ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Lamb"}}, "'Lamb'")]:
+                            ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block")]:
         (tmp_path / "in.json").write_text(json.dumps(config))
         proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "migrate-config", str(tmp_path / "in.json"),
                                "-o", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)

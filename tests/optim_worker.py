@@ -1,0 +1,74 @@
+"""One rank of an optimizer run: TinyGPT trained with an inner optimizer other than Adam.
+
+python optim_worker.py OUT CASE [CASE...]   CASE = OPTIMIZER:DTYPE:MODE:STAGE, e.g. muon:bf16:ts:2 or
+lion:fp32:stock:0 (see optimizers.py; MODE stock, ts or tsmpi). GAS 2, clipping 1.0, WarmupLR, two
+param groups. Writes OUT/CASE.rankR.pt: losses, grad norms, final parameters, optimizer-state facts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import deepspeed  # noqa: E402
+
+import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
+from ds_tensorshard.comm import close_process_group  # noqa: E402
+from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
+from optimizers import setup  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
+
+
+def state_numel(optimizer) -> int:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return sum(t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+
+
+def run_case(case: str, out: str) -> None:
+    name, dtype, mode, stage = case.split(":")
+    setup_name = "adagrad" if name == "adagrad2" else name
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    config = ds_config(dtype, mode, int(stage), world)
+    if stage == "0":
+        del config["zero_optimization"]
+    torch.manual_seed(1234)
+    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    client = setup(setup_name, model, config)
+    # stock ZeRO-1/2 rebuilds Adagrad over one flat group and then fails on a second one (IndexError in
+    # get_flat_partition): Adagrad runs with one group; "adagrad2" keeps two, against stage 0
+    groups = [{"params": list(model.parameters())}] if name == "adagrad" else param_groups(model)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
+                                                   optimizer=client)
+    losses, norms = [], []
+    for micro in range(STEPS * GAS):
+        loss = engine(batch(rank, micro))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if (micro + 1) % GAS == 0:
+            norms.append(float(engine.get_global_grad_norm() or 0.0))
+    result = {"losses": losses, "norms": norms, "skipped_steps": engine.skipped_steps,
+              "optimizer_class": type(optimizer).__name__, "state_numel": state_numel(optimizer),
+              "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+    if mode in ("ts", "tsmpi"):
+        result["inner_class"] = type(optimizer.optimizer).__name__
+        result["split"] = dict(optimizer.plan.split)
+        result["numel_per_rank"] = list(optimizer.plan.numel_per_rank)
+        result["owned_state_keys"] = sorted({k for s in optimizer.optimizer.state.values() for k in s})
+        result["foreign_state"] = sum(1 for m in optimizer.optimizer.state
+                                      if not any(m is x for x in optimizer.shard.masters.values()))
+    torch.save(result, os.path.join(out, f"{case.replace(':', '_')}.rank{rank}.pt"))
+
+
+def main() -> None:
+    out, cases = sys.argv[1], sys.argv[2:]
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    for case in cases:
+        run_case(case, out)
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()
