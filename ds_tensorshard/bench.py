@@ -69,6 +69,8 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
             "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
             "optimizer_state_bytes_fullest": max(state), "optimizer_state_bytes_total": sum(state),
             "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
+            **({"newton_schulz_fullest_over_ideal": max(r["newton_schulz_work"] for r in ranks) * len(ranks)
+                / ranks[0]["newton_schulz_total"]} if ranks[0].get("newton_schulz_total") else {}),
             "losses": ranks[0]["steps"][-1]["losses"]}
 
 
@@ -79,7 +81,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         models = (f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
                   f"{args.width} and {second['layers']} layers x width {second['width']}, together")
     else:
-        models = f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab},"
+        models = f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
     lines = [f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; "
              f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
              f"median of {args.steps} steps after {args.warmup} warm-up. "
@@ -91,6 +93,10 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
                      f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
                      f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
                      f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |")
+    if any("newton_schulz_fullest_over_ideal" in r for r in results):
+        lines += ["", "Newton-Schulz work (m n min(m, n) per matrix orthogonalized) on the fullest rank over an even "
+                  "share: " + "; ".join(f"{r['label']} {r['newton_schulz_fullest_over_ideal']:.3f}"
+                                        for r in results if "newton_schulz_fullest_over_ideal" in r)]
     lines += ["", "Step-time ratio (row / column):", "",
               "| | " + " | ".join(r["label"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
     for row in results:
@@ -133,6 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.optimizer != "adamw" and ({"ddp_zero"} | set(TWO_MODEL_CONFIGS)) & set(args.configs):
+        if args.configs == list(CONFIGS):  # the default set: DDP + ZeroRedundancyOptimizer runs AdamW only
+            args.configs = [c for c in CONFIGS if c != "ddp_zero"]
+        else:
+            raise SystemExit(f"--optimizer {args.optimizer} runs the one-model DeepSpeed configurations only "
+                             "(not ddp_zero or the two-model ones)")
     if len({c in TWO_MODEL_CONFIGS for c in args.configs}) > 1:
         raise SystemExit("--configs: one-model and two-model configurations are compared in separate runs "
                          f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})")

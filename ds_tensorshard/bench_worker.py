@@ -14,6 +14,7 @@ import argparse
 import functools
 import inspect
 import json
+import math
 import os
 import resource
 import time
@@ -89,10 +90,10 @@ class Clock:
         setattr(owner, name, timed)
 
 
-def ds_config(name: str, micro: int, dtype: str, bucket: int | None) -> dict:
+def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: str = "adamw") -> dict:
     stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+              "optimizer": OPTIMIZERS[optimizer], "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
     if bucket is not None:  # else every configuration keeps its own defaults
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
@@ -118,7 +119,13 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
 
-RUN_ARGUMENTS = ("layers", "width", "vocab", "seq", "global_batch", "dtype", "steps", "warmup", "bucket_numel")
+RUN_ARGUMENTS = ("layers", "width", "vocab", "seq", "global_batch", "dtype", "steps", "warmup", "bucket_numel",
+                 "optimizer")
+OPTIMIZERS = {  # --optimizer -> the config's optimizer block
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+    "muon": {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.01}},
+    "adafactor": {"type": "Adafactor", "params": {"lr": 1e-3}},
+}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +140,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--bucket-numel", type=int,
                         help="bucket size for every configuration (default: each keeps its own)")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                        help="inner optimizer of every DeepSpeed configuration (muon: the blocks' matrices)")
 
 
 def second_model_shape(width: int, layers: int) -> dict:
@@ -149,6 +158,7 @@ class Setup:
     train: Callable[[torch.Tensor], list[float]]
     step: Callable[[], None]
     state_bytes: Callable[[], int]
+    newton_schulz: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
 
 
 def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
@@ -177,8 +187,13 @@ def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: 
     import deepspeed
 
     import ds_tensorshard
+    if args.optimizer == "muon":  # Muon on the blocks' matrices, its auxiliary Adam on the rest
+        for model in models:
+            for pname, p in model.named_parameters():
+                p.use_muon = p.dim() >= 2 and pname.startswith("blocks.")
     items = [dict(model=m, model_parameters=m.parameters(), config=ds_config(name, micro, args.dtype,
-                                                                               args.bucket_numel)) for m in models]
+                                                                               args.bucket_numel, args.optimizer))
+             for m in models]
     if name == "two_ts_joint":
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     else:
@@ -202,7 +217,38 @@ def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: 
         else:
             for engine in engines:
                 engine.step()
-    return Setup(models, train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
+    setup = Setup(models, train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
+    setup.newton_schulz = lambda: newton_schulz_on_this_rank(name, engines[0])
+    return setup
+
+
+def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
+    """(this rank's Newton-Schulz work, the whole model's), in m n min(m, n) units: ds_tensorshard's owner
+    orthogonalizes each matrix once; stock ZeRO orthogonalizes every matrix its flat slice touches (each
+    Muon param group flattened and split evenly); stage 0 orthogonalizes everything on every rank."""
+    import ds_tensorshard
+    from ds_tensorshard.inner_optimizer import newton_schulz_work
+    optimizer = engine.optimizer
+    if isinstance(optimizer, ds_tensorshard.TensorShardOptimizer):
+        work = optimizer.plan.work_per_rank
+        return (work[optimizer.comm.rank], sum(work)) if work else (0.0, 0.0)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    groups = [g["params"] for g in inner.param_groups if g.get("use_muon")]
+    if name == "stage0":
+        total = sum(newton_schulz_work(tuple(p.shape)) for group in groups for p in group if p.dim() >= 2)
+        return total, total
+    n, rank = optimizer.partition_count[0], tdist.get_rank(optimizer.dp_process_group)
+    mine = total = 0.0
+    for group in (g for g in optimizer.bit16_groups if getattr(g[0], "use_muon", False)):
+        part = -(-sum(p.numel() for p in group) // n)
+        offset = 0
+        for p in group:
+            work = newton_schulz_work(tuple(p.shape)) if p.dim() >= 2 else 0.0
+            total += work
+            if offset < (rank + 1) * part and offset + p.numel() > rank * part:
+                mine += work
+            offset += p.numel()
+    return mine, total
 
 
 def main() -> None:
@@ -259,6 +305,8 @@ def main() -> None:
               "numel": sum(p.numel() for m in setup.models for p in m.parameters()),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "optimizer_state_bytes": setup.state_bytes()}
+    if args.optimizer == "muon":
+        result["newton_schulz_work"], result["newton_schulz_total"] = setup.newton_schulz()
     with open(os.path.join(args.out, f"{args.config}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
     del setup, models  # DDP's reducer keeps gloo work alive until collected

@@ -30,7 +30,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .config import DEFAULT_BUCKET_NUMEL
     from .plan_report import format_report, plan_report
     shapes = _model_shapes(args)
-    reports = [plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors)
+    reports = [plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors, args.optimizer)
                for n in args.world_size]
     if args.json:
         print(json.dumps(reports, indent=2))
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--split-tensors", choices=["auto", "never"], default="auto",
                       help="tensorshard.split_tensors (default auto); 'never' is always reported beside it")
     plan.add_argument("--bucket-numel", type=int, help="elements per bucket (default 4,000,000)")
+    plan.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
+                      help="muon: the layers' matrices stay whole and their Newton-Schulz work is balanced and "
+                           "reported next to stock ZeRO's")
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)
 

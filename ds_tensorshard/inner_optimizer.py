@@ -82,3 +82,22 @@ def step_value(optimizer: torch.optim.Optimizer, master: torch.Tensor, step: Any
         value = float(step.item() if torch.is_tensor(step) else step)
         return torch.tensor(value, dtype=torch.float32, device=master.device if on_device else "cpu")
     return step
+
+
+def newton_schulz_work(shape: tuple[int, ...]) -> float:
+    """Relative cost of orthogonalizing a matrix (its leading dimension by the rest): m n min(m, n)."""
+    m = shape[0]
+    n = 1
+    for size in shape[1:]:
+        n *= size
+    return float(m * n * min(m, n))
+
+
+def orthogonalized_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The matrices a Muon optimizer runs Newton-Schulz on (none for other optimizers)."""
+    name = type(optimizer).__name__
+    if name == "MuonWithAuxAdam":
+        return [p for g in optimizer.param_groups if g.get("use_muon") for p in g["params"] if p.dim() >= 2]
+    if name == "Muon":
+        return [p for g in optimizer.param_groups for p in g["params"] if p.dim() >= 2]
+    return []

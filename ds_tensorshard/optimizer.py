@@ -37,7 +37,8 @@ from .checkpoint_files import CheckpointError
 from .checkpoint_sources import CheckpointSource
 from .comm import TorchComm
 from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, describe_zero_mapping
-from .inner_optimizer import check_supported, keep_owned_state, step_value, whole_matrix_params
+from .inner_optimizer import (check_supported, keep_owned_state, newton_schulz_work, orthogonalized_params,
+                              step_value, whole_matrix_params)
 from .gather import Gather, gather_buckets
 from .many import joint_plan
 from .plan import OwnershipPlan, plan_ownership
@@ -82,10 +83,12 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
         whole = {self.names[p] for p in whole_matrix_params(init_optimizer) if p in self.names}
+        work = {self.names[p]: newton_schulz_work(tuple(p.shape)) for p in orthogonalized_params(init_optimizer)
+                if p in self.names}
         self.plan = joint_plan() or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
                                                    self.comm.world_size,
                                                    param_names={id(p): name for p, name in self.names.items()},
-                                                   split=config.split_tensors, unsplittable=whole)
+                                                   split=config.split_tensors, unsplittable=whole, work=work)
         _check_plan_covers(self.plan, self.params, self.comm.world_size)
         _check_whole(self.plan, self.params, self.names, whole, type(init_optimizer).__name__)
         # an engine of initialize_many leaves its last reductions in flight after backward, to run

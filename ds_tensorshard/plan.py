@@ -65,6 +65,8 @@ class OwnershipPlan:
     numels: Mapping[str, int]
     numel_per_rank: tuple[int, ...]
     param_names: Mapping[int, str] = field(default_factory=dict, repr=False, compare=False)
+    work_per_rank: tuple[float, ...] = ()
+    """Compute cost per rank of the tensors given a ``work`` cost (empty when none was)."""
 
     def name_of(self, tensor: Union[str, torch.Tensor]) -> str:
         name = tensor if isinstance(tensor, str) else self.param_names.get(id(tensor))
@@ -119,7 +121,8 @@ TensorSpec = tuple[str, Union[int, Sequence[int]]]
 
 
 def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: Mapping[int, str] | None = None,
-                   split: SplitMode = "auto", unsplittable: AbstractSet[str] = frozenset()) -> OwnershipPlan:
+                   split: SplitMode = "auto", unsplittable: AbstractSet[str] = frozenset(),
+                   work: Mapping[str, float] | None = None) -> OwnershipPlan:
     """Split named tensors ``(name, shape)`` into ``world_size`` sets balanced by element count.
 
     A bare int is the element count of a 1-D tensor.
@@ -134,21 +137,42 @@ def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: 
             raise ValueError(f"tensor names in an ownership plan must be unique; '{name}' appears twice")
         shapes[name] = (shape,) if isinstance(shape, int) else tuple(shape)
     numels = {name: math.prod(shape) for name, shape in shapes.items()}
-    order = sorted(numels, key=lambda n: (-numels[n], n))
-    blocks, loads = _largest_first(order, numels, world_size)
+    work = dict(work or {})
+    placed, start, work_loads = _by_work(work, numels, world_size)
+    order = sorted((n for n in numels if n not in placed), key=lambda n: (-numels[n], n))
+    blocks, loads = _largest_first(order, numels, start)
     ideal = sum(numels.values()) / world_size
     if split == "auto" and ideal and max(loads) > TARGET_IMBALANCE * ideal:
         row_numel = {name: math.prod(shape[1:]) for name, shape in shapes.items()}
-        blocks, loads = _fill_with_blocks(order, numels, row_numel, world_size, int(TARGET_IMBALANCE * ideal),
+        blocks, loads = _fill_with_blocks(order, numels, row_numel, start, int(TARGET_IMBALANCE * ideal),
                                           FILL * ideal, unsplittable)
-    return OwnershipPlan(world_size=world_size, blocks=blocks, numels=numels, numel_per_rank=tuple(loads),
-                         param_names=dict(param_names or {}))
+    return OwnershipPlan(world_size=world_size, blocks={**placed, **blocks}, numels=numels,
+                         numel_per_rank=tuple(loads), param_names=dict(param_names or {}),
+                         work_per_rank=tuple(work_loads) if work else ())
+
+
+def _by_work(work: Mapping[str, float], numels: Mapping[str, int],
+             world_size: int) -> tuple[dict[str, tuple[Block, ...]], list[int], list[float]]:
+    """Tensors with a compute cost, whole, largest cost first onto the rank with the least work; returns
+    their blocks, the element counts and the work they leave on each rank."""
+    heap = [(0.0, rank) for rank in range(world_size)]
+    loads, work_loads = [0] * world_size, [0.0] * world_size
+    blocks = {}
+    for name in sorted(work, key=lambda n: (-work[n], n)):
+        cost, rank = heapq.heappop(heap)
+        blocks[name] = (Block(rank, 0, numels[name]),)
+        loads[rank] += numels[name]
+        work_loads[rank] = cost + work[name]
+        heapq.heappush(heap, (work_loads[rank], rank))
+    return blocks, loads, work_loads
 
 
 def _largest_first(order: Sequence[str], numels: Mapping[str, int],
-                   world_size: int) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
-    heap = [(0, rank) for rank in range(world_size)]
-    loads = [0] * world_size
+                   start: Sequence[int]) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
+    """Whole tensors, largest first onto the emptiest rank, from per-rank loads ``start``."""
+    loads = list(start)
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
     blocks = {}
     for name in order:
         load, rank = heapq.heappop(heap)
@@ -159,13 +183,15 @@ def _largest_first(order: Sequence[str], numels: Mapping[str, int],
 
 
 def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel: Mapping[str, int],
-                      world_size: int, limit: int, fill: float,
+                      start: Sequence[int], limit: int, fill: float,
                       unsplittable: AbstractSet[str]) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
     """Largest first onto the emptiest rank while it stays within ``limit``; a tensor that does not fit is
     cut into blocks of whole rows, each filling the then emptiest rank (one that holds no block of it yet)
     to ``fill`` (to the nearest row)."""
-    heap = [(0, rank) for rank in range(world_size)]
-    loads = [0] * world_size
+    world_size = len(start)
+    loads = list(start)
+    heap = [(load, rank) for rank, load in enumerate(loads)]
+    heapq.heapify(heap)
     blocks: dict[str, tuple[Block, ...]] = {}
     for name in order:
         numel, row = numels[name], max(row_numel[name], 1)
@@ -175,17 +201,17 @@ def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel
             loads[rank] = load + numel
             heapq.heappush(heap, (loads[rank], rank))
             continue
-        cut, start, skipped = [], 0, []
-        while start < numel:
+        cut, first, skipped = [], 0, []
+        while first < numel:
             rows = max(math.floor((fill - load) / row + 0.5),  # to the nearest row: within half a row of fill,
-                       -(-(numel - start) // ((world_size - len(cut)) * row)), 1)  # but no rank left short
+                       -(-(numel - first) // ((world_size - len(cut)) * row)), 1)  # but no rank left short
             last_rank = len(cut) == world_size - 1  # every other rank holds a block of it already
-            stop = numel if last_rank else min(start + rows * row, numel)
-            cut.append(Block(rank, start, stop))
-            loads[rank] = load + stop - start
+            stop = numel if last_rank else min(first + rows * row, numel)
+            cut.append(Block(rank, first, stop))
+            loads[rank] = load + stop - first
             skipped.append((loads[rank], rank))  # a rank holds at most one block of a tensor
-            start = stop
-            if start < numel:
+            first = stop
+            if first < numel:
                 load, rank = heapq.heappop(heap)
         for entry in skipped:
             heapq.heappush(heap, entry)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from .buckets import Bucket, build_buckets
+from .inner_optimizer import newton_schulz_work
 from .plan import OwnershipPlan, SplitMode, plan_ownership
 
 Shapes = Sequence[tuple[str, Sequence[int]]]
@@ -43,10 +44,50 @@ def meta_buckets(shapes: Shapes, plan: OwnershipPlan, bucket_numel: int,
     return build_buckets(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel)
 
 
-def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto") -> dict[str, Any]:
-    """Balance, splits, buckets and wire volume of one world size, with the whole-tensor plan beside it."""
+def muon_matrices(shapes: Shapes) -> list[str]:
+    """The matrices Muon orthogonalizes in a transformer: 2-D weights inside its layers (embeddings and the
+    head stay on the auxiliary Adam, as usual)."""
+    return [name for name, shape in shapes if len(shape) >= 2 and (".layers." in f".{name}" or "blocks." in name)]
+
+
+def newton_schulz_report(shapes: Shapes, plan: OwnershipPlan, muon: list[str]) -> dict[str, Any]:
+    """Newton-Schulz work and Muon momentum per rank, next to stock ZeRO's rule: the Muon matrices form one
+    flat group split evenly over the ranks, and every rank whose slice touches a matrix orthogonalizes all
+    of it and keeps its full momentum."""
+    shape_of = dict(shapes)
+    work = {name: newton_schulz_work(tuple(shape_of[name])) for name in muon}
+    total = sum(work.values())
+    n = plan.world_size
+    ideal = total / n
+    momentum = [0] * n
+    for name in muon:
+        momentum[plan.blocks[name][0].rank] += math.prod(shape_of[name])
+    stock_work, stock_momentum = [0.0] * n, [0] * n
+    flat_total = sum(math.prod(shape_of[name]) for name in muon)
+    part = -(-flat_total // n)
+    offset = 0
+    for name in muon:  # registration order, as stock flattens a param group
+        numel = math.prod(shape_of[name])
+        for rank in range(offset // part, min((offset + numel - 1) // part, n - 1) + 1):
+            stock_work[rank] += work[name]
+            stock_momentum[rank] += numel
+        offset += numel
+    return {"matrices": len(muon), "work_fullest_over_ideal": max(plan.work_per_rank) / ideal if ideal else 1.0,
+            "work_bound": max(max(work.values(), default=0.0), ideal) / ideal if ideal else 1.0,
+            "momentum_fullest": max(momentum), "momentum_ideal": flat_total / n,
+            "stock_work_fullest_over_ideal": max(stock_work) / ideal if ideal else 1.0,
+            "stock_momentum_fullest": max(stock_momentum)}
+
+
+def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto",
+                optimizer: str = "adam") -> dict[str, Any]:
+    """Balance, splits, buckets and wire volume of one world size, with the whole-tensor plan beside it;
+    for ``optimizer="muon"`` also the Newton-Schulz work and momentum per rank against stock's rule."""
     started = time.perf_counter()
-    plan = plan_ownership(shapes, world_size, split=split)
+    muon = muon_matrices(shapes) if optimizer == "muon" else []
+    shape_of = dict(shapes)
+    plan = plan_ownership(shapes, world_size, split=split, unsplittable=set(muon),
+                          work={name: newton_schulz_work(tuple(shape_of[name])) for name in muon})
     buckets = meta_buckets(shapes, plan, bucket_numel)
     seconds = time.perf_counter() - started
     never = plan if split == "never" else plan_ownership(shapes, world_size, split="never")
@@ -64,6 +105,7 @@ def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: Split
         "wire_ratio": max(sent, default=0) / reference if reference else 1.0,
         "plan_and_buckets_s": seconds,
         "numel_per_rank": list(plan.numel_per_rank),
+        **({"newton_schulz": newton_schulz_report(shapes, plan, muon)} if muon else {}),
     }
 
 
@@ -82,6 +124,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
         f"  sent per rank per step {report['sent_per_rank_max']:,} elements = {report['wire_ratio']:.4f} x a ring "
         f"all-reduce ({report['all_reduce_sent']:,.0f}); plan + buckets in {report['plan_and_buckets_s'] * 1e3:.0f} ms",
     ]
+    if "newton_schulz" in report:
+        ns = report["newton_schulz"]
+        lines.append(f"  Muon ({ns['matrices']} matrices): Newton-Schulz work, fullest rank / ideal "
+                     f"{ns['work_fullest_over_ideal']:.3f} (whole matrices allow {ns['work_bound']:.3f}; stock ZeRO's "
+                     f"slices {ns['stock_work_fullest_over_ideal']:.3f}); momentum on the fullest rank "
+                     f"{ns['momentum_fullest']:,} elements (ideal {ns['momentum_ideal']:,.0f}; stock "
+                     f"{ns['stock_momentum_fullest']:,})")
     if report["world_size"] <= 8:
         lines += [f"  rank {r}: {numel:,}" for r, numel in enumerate(report["numel_per_rank"])]
     return lines

@@ -7,6 +7,8 @@
 #    on one device) with comm_backend "mpi": CUDA tensors go through pinned host memory, or directly when
 #    mpi4py reports a CUDA-aware MPI (the line says which); checked against stock ZeRO-2 on the CPU.
 # 3. checkpoint_resume_cuda: save at step 3 and resume on CUDA equals the uninterrupted run.
+# 4. fused_lamb_lion: DeepSpeed's FusedLamb (whole-matrix: against stage 0) and FusedLion (element-wise:
+#    against stock ZeRO-2) as ds_tensorshard's inner optimizers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC="${TORCH_SPEC:-torch}" source launch/setup_env.sh >/dev/null
@@ -26,4 +28,5 @@ check() {  # check NAME COMMAND...: run with a deadline, print one line
 check cuda_equivalence_1rank python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 check mpi_2ranks_1gpu python tests/gpu_check.py mpi "$LOGS/mpi"
 check checkpoint_resume_cuda python tests/gpu_check.py checkpoint "$LOGS/ckpt"
+check fused_lamb_lion python tests/gpu_check.py fused "$LOGS/fused"
 exit "$failures"

@@ -2,6 +2,7 @@
 
     python tests/gpu_check.py mpi OUT         two ranks on the GPU with the mpi transport vs stock ZeRO-2 on the CPU
     python tests/gpu_check.py checkpoint OUT  save at step 3 and resume on CUDA vs the uninterrupted run
+    python tests/gpu_check.py fused OUT       DeepSpeed's FusedLamb (vs stage 0) and FusedLion (vs ZeRO-2) on CUDA
 
 Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on a failure.
 """
@@ -65,5 +66,18 @@ def check_checkpoint(out: str) -> None:
     print(f"NOTE resumed at step 3, max |loss diff| {diff:.1e}")
 
 
+def check_fused(out: str) -> None:
+    from compare import assert_run_matches
+    os.makedirs(out, exist_ok=True)
+    cases = ["fusedlamb:fp32:stock:0", "fusedlamb:fp32:ts:2", "fusedlion:fp32:stock:2", "fusedlion:fp32:ts:2"]
+    run_ranks([os.path.join(HERE, "optim_worker.py"), out, *cases], 1, env={"DS_ACCELERATOR": "cuda"})
+    load = lambda case: torch.load(f"{out}/{case.replace(':', '_')}.rank0.pt")  # noqa: E731
+    lamb_reference = {k: v for k, v in load("fusedlamb:fp32:stock:0").items() if k != "norms"}
+    assert_run_matches(load("fusedlamb:fp32:ts:2"), lamb_reference, "fp32", "FusedLamb vs stage 0")
+    assert_run_matches(load("fusedlion:fp32:ts:2"), load("fusedlion:fp32:stock:2"), "fp32", "FusedLion vs ZeRO-2")
+    print(f"NOTE inner optimizers {load('fusedlamb:fp32:ts:2')['inner_class']}, "
+          f"{load('fusedlion:fp32:ts:2')['inner_class']}")
+
+
 if __name__ == "__main__":
-    {"mpi": check_mpi, "checkpoint": check_checkpoint}[sys.argv[1]](sys.argv[2])
+    {"mpi": check_mpi, "checkpoint": check_checkpoint, "fused": check_fused}[sys.argv[1]](sys.argv[2])

@@ -43,7 +43,7 @@ def run_case(case: str, out: str) -> None:
                                                    optimizer=client)
     losses, norms = [], []
     for micro in range(STEPS * GAS):
-        loss = engine(batch(rank, micro))
+        loss = engine(batch(rank, micro).to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -64,7 +64,8 @@ def run_case(case: str, out: str) -> None:
 
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    backend = os.environ.get("DIST_BACKEND", "nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out)
     close_process_group()

@@ -67,6 +67,9 @@ CONFIG_TYPES = {  # name -> (DeepSpeed optimizer.type, params)
     "rmsprop": ("RMSprop", dict(lr=1e-3, alpha=0.9, momentum=0.5)),
     "adafactor": ("Adafactor", dict(lr=1e-2, weight_decay=0.0)),
     "muon": ("Muon", dict(lr=1e-2, momentum=0.95, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8)),
+    # DeepSpeed's CUDA kernels (launch/gpu_check.sh): FusedLamb (whole-matrix) and FusedLion (element-wise)
+    "fusedlamb": ("Lamb", dict(lr=1e-2, weight_decay=0.01)),
+    "fusedlion": ("Lion", dict(lr=1e-3, weight_decay=0.1)),
 }
 CLIENT_LR = {"lion": 1e-3, "lamb": 1e-2, "torchmuon": 1e-2}
 

@@ -57,3 +57,17 @@ def test_bench_refuses_mixing_one_and_two_model_configurations(tmp_path):
     proc = bench(*TINY, "--configs", "zero2", "two_ts_joint", "--out", str(tmp_path))
     assert proc.returncode != 0 and "separate runs" in proc.stderr
     assert not (tmp_path / "raw").exists()
+
+
+def test_bench_muon_reports_newton_schulz_work_and_adafactor_its_state(tmp_path):
+    for optimizer in ("muon", "adafactor"):
+        out = tmp_path / optimizer
+        proc = bench(*TINY, "--optimizer", optimizer, "--configs", "zero2", "ts_torch", "--out", str(out))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results = {r["config"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+        stock, ours = results["zero2"], results["ts_torch"]
+        if optimizer == "muon":  # each matrix orthogonalized once, by its owner
+            assert ours["newton_schulz_fullest_over_ideal"] < stock["newton_schulz_fullest_over_ideal"]
+            assert "Newton-Schulz work" in (out / "results.md").read_text()
+        else:  # factored second moments instead of one value per element of a flat slice
+            assert ours["optimizer_state_bytes_total"] < stock["optimizer_state_bytes_total"] / 2

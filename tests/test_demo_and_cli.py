@@ -49,6 +49,17 @@ def test_plan_cli_scales_to_1024_ranks(capsys, preset):
         assert report["never_imbalance"] > 1.2
 
 
+def test_plan_cli_reports_newton_schulz_work_against_stocks_rule(capsys):
+    assert cli_main(["plan", "--preset", "llama2-7b", "--optimizer", "muon", "--world-size", "64", "1024",
+                     "--json"]) == 0
+    at64, at1024 = (r["newton_schulz"] for r in json.loads(capsys.readouterr().out))
+    assert at64["matrices"] == 224
+    assert at64["stock_work_fullest_over_ideal"] > 1.3 and at64["work_fullest_over_ideal"] < 1.06
+    assert at1024["work_fullest_over_ideal"] == pytest.approx(at1024["work_bound"])  # one MLP matrix, whole
+    assert at1024["stock_work_fullest_over_ideal"] > 1.9 * at1024["work_fullest_over_ideal"]
+    assert at1024["stock_momentum_fullest"] == 2 * at1024["momentum_fullest"]
+
+
 def test_plan_cli_reads_a_hugging_face_config(tmp_path, capsys):
     from ds_tensorshard.models import LLAMA_PRESETS
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_PRESETS["llama3-8b"], "model_type": "llama"}))

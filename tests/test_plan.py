@@ -136,3 +136,19 @@ def test_presets_are_balanced_at_every_world_size_up_to_1024(preset):
         assert never.imbalance <= max(TARGET_IMBALANCE, never.imbalance_bound + 1e-9)
         if never.imbalance <= TARGET_IMBALANCE:
             assert not auto.split
+
+
+def test_newton_schulz_work_is_balanced_first_and_elements_evened_out_around_it():
+    from ds_tensorshard.inner_optimizer import newton_schulz_work
+    matrices = [(f"m{i}", (64, 256)) for i in range(6)] + [(f"n{i}", (256, 256)) for i in range(3)]
+    rest = [("embed", (1000, 64)), *[(f"v{i}", (64,)) for i in range(10)]]
+    work = {name: newton_schulz_work(shape) for name, shape in matrices}
+    plan = plan_ownership(matrices + rest, 3, unsplittable=set(work), work=work)
+    assert all(len(plan.blocks[name]) == 1 for name in work)  # whole
+    per_rank = [0.0] * 3
+    for name, cost in work.items():
+        per_rank[plan.blocks[name][0].rank] += cost
+    assert list(plan.work_per_rank) == per_rank
+    assert max(per_rank) <= max(max(work.values()), sum(work.values()) / 3) * 1.0001  # one 256x256 each
+    assert plan.imbalance <= TARGET_IMBALANCE  # the embedding (split) evens the elements out
+    assert newton_schulz_work((64, 256)) == 64 * 256 * 64 and newton_schulz_work((8, 2, 3)) == 8 * 6 * 6
