@@ -1,7 +1,13 @@
 """The DeepSpeed releases this plugin is tested with, checked at import."""
 from __future__ import annotations
 
-SUPPORTED_DEEPSPEED = ((0, 19), (0, 20))  # [low, high): the 0.19.x series
+import os
+import warnings
+
+# [low, high). 0.19.8 is the first release with deepspeed.comm.pg_utils and runtime.utils'
+# combine_grad_norm_groups / is_invalid_grad_norm, which the optimizer imports (README "DeepSpeed versions")
+SUPPORTED_DEEPSPEED = ((0, 19, 8), (0, 20, 0))
+UNTESTED_ENV = "DS_TENSORSHARD_UNTESTED_DEEPSPEED"  # =1: warn instead of refusing (to try another release)
 
 
 class UnsupportedDeepSpeedVersion(ImportError):
@@ -9,10 +15,16 @@ class UnsupportedDeepSpeedVersion(ImportError):
 
 
 def check_deepspeed_version(version: str) -> None:
-    """Raise with the installed and supported versions unless ``version`` is in the tested range."""
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    """Raise with the installed and supported versions unless ``version`` is in the tested range
+    (``DS_TENSORSHARD_UNTESTED_DEEPSPEED=1`` turns the refusal into a warning)."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
     low, high = SUPPORTED_DEEPSPEED
-    if not (low <= parts < high):
-        raise UnsupportedDeepSpeedVersion(
-            f"ds_tensorshard supports deepspeed >={'.'.join(map(str, low))},<{'.'.join(map(str, high))} "
-            f"but deepspeed {version} is installed; install a supported release (pip install 'deepspeed>=0.19,<0.20')")
+    if low <= parts < high:
+        return
+    spec = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high[:2]))}"
+    message = (f"ds_tensorshard supports deepspeed {spec} but deepspeed {version} is installed; install a "
+               f"supported release (pip install 'deepspeed{spec}')")
+    if os.environ.get(UNTESTED_ENV) == "1":
+        warnings.warn(f"{message}; going on because {UNTESTED_ENV}=1", stacklevel=2)
+        return
+    raise UnsupportedDeepSpeedVersion(f"{message} (or set {UNTESTED_ENV}=1 to try it anyway)")

@@ -113,9 +113,13 @@ def test_install_is_idempotent():
     assert ds_tensorshard.installed()
 
 
-@pytest.mark.parametrize("version", ["0.18.9", "0.20.0", "1.0.0"])
-def test_unsupported_deepspeed_versions_are_named(version):
-    with pytest.raises(UnsupportedDeepSpeedVersion, match=rf"deepspeed {version} is installed.*>=0\.19,<0\.20|>=0\.19,<0\.20.*deepspeed {version}"):
+@pytest.mark.parametrize("version", ["0.18.9", "0.19.7", "0.20.0", "1.0.0"])
+def test_unsupported_deepspeed_versions_are_named(version, monkeypatch):
+    monkeypatch.delenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", raising=False)
+    with pytest.raises(UnsupportedDeepSpeedVersion, match=rf"supports deepspeed >=0\.19\.8,<0\.20 but deepspeed {version} is installed"):
+        check_deepspeed_version(version)
+    monkeypatch.setenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", "1")  # try an untested release anyway: a warning
+    with pytest.warns(UserWarning, match=rf"deepspeed {version} is installed.*DS_TENSORSHARD_UNTESTED_DEEPSPEED=1"):
         check_deepspeed_version(version)
 
 
