@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,14 +49,32 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
     for name in RUN_ARGUMENTS:
         if getattr(args, name) is not None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its ranks die with it: see _kill_group
+    try:
+        out, err = proc.communicate(timeout=args.timeout)
+    finally:
+        _kill_group(proc)
     if proc.returncode != 0:
-        raise SystemExit(f"configuration {config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"configuration {config} failed:\n{out[-3000:]}\n{err[-3000:]}")
     ranks = []
     for rank in range(args.ranks):
         with open(os.path.join(raw_dir, f"{config}.rank{rank}.json")) as f:
             ranks.append(json.load(f))
     return ranks
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a configuration's mpiexec and every rank it started (a timeout, Ctrl-C or SIGTERM included)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_config's cleanup, unlike the default action
 
 
 def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
@@ -150,6 +169,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                          f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})")
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from .progress import bar as progress_bar
     results = []
     with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal

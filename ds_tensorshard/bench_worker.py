@@ -14,7 +14,6 @@ import argparse
 import functools
 import inspect
 import json
-import math
 import os
 import resource
 import time

@@ -1,7 +1,10 @@
 """Engine checkpoint methods for ds_tensorshard engines: atomic saves, loads at any world size.
 
-``save_checkpoint``: every file is written atomically with its digest, every file of one save
-carries one checkpoint id, and ``latest`` moves only after every rank has finished.
+``save_checkpoint``: every file is written atomically with its digest into a staging folder, every
+file of one save carries one checkpoint id; only when every rank's files are complete does the
+staging folder become the tag's folder (replacing an earlier save of the same tag whole) and
+``latest`` move. A write that fails on any rank fails the save on every rank, naming the file, and
+leaves nothing of it behind.
 ``load_checkpoint``: the checkpoint (ds_tensorshard, stock ZeRO-1/2 or universal) is opened and
 checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
@@ -11,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import uuid
 
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from .checkpoint_files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
+from .checkpoint_files import CheckpointError, DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
 from .checkpoint_sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
 from .config import TensorShardConfigError
 from .rank_file import parse_rank_file_name
@@ -51,20 +55,72 @@ def wrap_save_checkpoint(original):
                                          "by ds_tensorshard; use DeepSpeed's default (torch) checkpoint engine")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         self.optimizer.checkpoint_id = _shared_checkpoint_id()
-        self.checkpoint_engine.save = save_atomic  # instance attribute: atomic writes for this save only
+        final = os.path.join(save_dir, tag)
+        staging = os.path.join(save_dir, f".{tag}.saving-{self.optimizer.checkpoint_id[:12]}")
+        failures: list[str] = []
+
+        def save(state_dict, path: str) -> None:
+            """Every file of this save goes to a staging folder (beside the tag's, never named like a tag);
+            a failed write is recorded, not raised, so that no rank is left in DeepSpeed's barriers."""
+            target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
+            try:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                save_atomic(state_dict, target)
+            except Exception as err:  # noqa: BLE001 - disk full, file too large, read-only: all end the save
+                failures.append(f"{path}: {type(err).__name__}: {err}")
+
+        self.checkpoint_engine.save = save  # instance attribute: this save only
         try:
             original(self, save_dir, tag, {**client_state, CHECKPOINT_ID_KEY: self.optimizer.checkpoint_id},
                      False, exclude_frozen_parameters)
         finally:
             del self.checkpoint_engine.save
-        dist.barrier()  # every rank's files are complete before anything points at them
+        reports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, failures)  # every rank learns whether every rank's files are complete
+        failed = [(rank, failure) for rank, found in enumerate(reports) for failure in found]
         if self.global_rank == 0:
-            _remove_stale_rank_files(os.path.join(save_dir, tag), self.optimizer.comm.world_size)
-            if save_latest:
-                write_text_atomic(os.path.join(save_dir, "latest"), tag)
+            if failed:
+                shutil.rmtree(staging, ignore_errors=True)
+                _remove_if_empty(final)
+            else:
+                _move_into_place(staging, final)
+                _remove_stale_rank_files(final, self.optimizer.comm.world_size)
+                if save_latest:
+                    write_text_atomic(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
+        if failed:
+            rank, failure = failed[0]
+            raise CheckpointError(f"saving checkpoint {final} failed on rank {rank} ({failure})"
+                                  + (f" and {len(failed) - 1} more file(s)" if len(failed) > 1 else "")
+                                  + "; nothing of it was kept and 'latest' was not moved")
         return True
     return save_checkpoint
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep)
+
+
+def _remove_if_empty(folder: str) -> None:
+    if os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
+
+
+def _move_into_place(staging: str, final: str) -> None:
+    """The complete save becomes the tag's folder; an earlier save of the same tag is replaced whole."""
+    if os.path.isdir(final) and os.listdir(final):
+        replaced = f"{staging}.replaced"
+        os.replace(final, replaced)
+        os.replace(staging, final)
+        shutil.rmtree(replaced)
+    else:
+        _remove_if_empty(final)
+        os.replace(staging, final)
+    fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _resolve_tag(load_dir: str, tag, universal: bool):

@@ -9,10 +9,14 @@ Ranks are ranks within the data-parallel group. Every transport satisfies :class
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import datetime
+from typing import Any, Callable, NoReturn, Protocol
 
 import torch
+import torch.distributed
 from deepspeed import comm as dist
+
+from .deadline import CollectiveTimeout
 
 
 class Pending:
@@ -28,10 +32,14 @@ class Pending:
 
 
 class Transport(Protocol):
-    """What the data path needs from a transport."""
+    """What the data path needs from a transport. Every wait gives up after ``timeout_s`` seconds with
+    :class:`~ds_tensorshard.deadline.CollectiveTimeout`; :meth:`fail` then ends the job its own way."""
 
     rank: int
     world_size: int
+    global_ranks: list[int]
+    timeout_s: float
+    name: str
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""
@@ -42,26 +50,44 @@ class Transport(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks, in place, on every rank."""
 
+    def fail(self, message: str) -> NoReturn:
+        """A collective missed its deadline: end this rank with ``message``."""
+
 
 class TorchComm:
     """deepspeed.comm collectives over the data-parallel group."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, timeout_s: float) -> None:
         self.group = group
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.timeout_s = timeout_s
+        self.name = f"torch ({torch.distributed.get_backend(group)})"
+
+    def _pending(self, work: Any, what: str, *keep_alive: Any) -> Pending:
+        def finish() -> None:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower():
+                    raise
+                raise CollectiveTimeout(what) from None
+        return Pending(finish, *keep_alive)
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         work = dist.reduce(tensor, dst=self.global_ranks[owner], group=self.group, async_op=True)
-        return Pending(work.wait, tensor)
+        return self._pending(work, f"reduce to rank {owner}", tensor)
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         work = dist.broadcast(tensor, src=self.global_ranks[owner], group=self.group, async_op=True)
-        return Pending(work.wait, tensor)
+        return self._pending(work, f"broadcast from rank {owner}", tensor)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.group)
+        self._pending(dist.all_reduce(tensor, group=self.group, async_op=True), "all-reduce", tensor).wait()
+
+    def fail(self, message: str) -> NoReturn:
+        raise CollectiveTimeout(message)
 
 
 def close_process_group() -> None:

@@ -35,6 +35,12 @@ class TensorShardConfig(BaseModel):
     rank above 1.02x the ideal) is owned in dim-0 blocks, each by one rank, only as many as needed;
     ``"never"``: every tensor is owned whole (the best whole-tensor balance)."""
 
+    timeout_s: float = Field(default=1800.0, gt=0)
+    """Deadline, in seconds, of each of the plugin's own collectives (a wait, not the whole step). When it
+    passes, every rank that waits raises an error naming the step, the bucket and its first tensor, the
+    transport and the ranks that have not arrived; under MPI the job is aborted so that mpiexec returns.
+    The default is torch.distributed's own default timeout."""
+
     bucket_numel: Optional[int] = Field(default=None, gt=0)
     """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
     ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else 4,000,000."""

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 
 from .buckets import Bucket
 from .comm import Pending, Transport
+from .deadline import wait_or_fail
 from .reduce import IN_FLIGHT
 
 
@@ -14,28 +16,29 @@ class Gather:
     """One broadcast per owner present in a bucket, at most ``IN_FLIGHT`` buckets under way, the first
     ones started on creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
 
-    def __init__(self, buckets: list[Bucket], comm: Transport) -> None:
-        self.todo, self.comm = deque(buckets), comm
-        self.in_flight: deque[tuple[Bucket, torch.Tensor, list[Pending]]] = deque()
+    def __init__(self, buckets: list[Bucket], comm: Transport,
+                 describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}") -> None:
+        self.todo, self.comm, self.describe = deque(enumerate(buckets)), comm, describe
+        self.in_flight: deque[tuple[int, Bucket, torch.Tensor, list[Pending]]] = deque()
         self._fill()
 
     def _fill(self) -> None:
         while self.todo and len(self.in_flight) < IN_FLIGHT:
-            bucket = self.todo.popleft()
+            index, bucket = self.todo.popleft()
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             mine = bucket.segment_of(self.comm.rank)
             if mine is not None:
                 for piece, view in mine.views(flat[mine.offset:mine.offset + mine.numel]):
                     view.copy_(piece.of(piece.param.data))
             pending = [self.comm.start_broadcast(flat[s.offset:s.offset + s.numel], s.owner) for s in bucket.segments]
-            self.in_flight.append((bucket, flat, pending))
+            self.in_flight.append((index, bucket, flat, pending))
 
     @torch.no_grad()
     def finish(self) -> None:
         while self.in_flight:
-            bucket, flat, pending = self.in_flight.popleft()
+            index, bucket, flat, pending = self.in_flight.popleft()
             for p in pending:
-                p.wait()
+                wait_or_fail(p.wait, self.comm, lambda: self.describe(index, bucket, "broadcast"))
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
                     for piece, view in segment.views(flat[segment.offset:segment.offset + segment.numel]):
@@ -43,6 +46,7 @@ class Gather:
             self._fill()
 
 
-def gather_buckets(buckets: list[Bucket], comm: Transport) -> None:
+def gather_buckets(buckets: list[Bucket], comm: Transport,
+                   describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}") -> None:
     """Every rank receives every owner's updated tensors, two buckets in flight at a time."""
-    Gather(buckets, comm).finish()
+    Gather(buckets, comm, describe).finish()

@@ -11,12 +11,16 @@ pinned host memory otherwise (warned once). The MPI processes must be the torch.
 """
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from .comm import Pending
 from .config import TensorShardConfigError
+from .deadline import CollectiveTimeout, wait_with_deadline
 
 _HALF = (torch.float16, torch.bfloat16)
 _sum16_ops: dict = {}
@@ -64,15 +68,30 @@ def _cuda_aware() -> bool:
 class MpiComm:
     """mpi4py collectives over the MPI communicator whose ranks are the data-parallel group's."""
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, timeout_s: float) -> None:
         MPI = _mpi()
         check_mpi_world()
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
-        members = [dist.get_global_rank(group, r) for r in range(self.world_size)]
-        self.mpi = MPI.COMM_WORLD.Split(color=min(members), key=self.rank)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.mpi = MPI.COMM_WORLD.Split(color=min(self.global_ranks), key=self.rank)
         assert self.mpi.Get_rank() == self.rank and self.mpi.Get_size() == self.world_size
         self.cuda_aware = _cuda_aware()
+        self.timeout_s = timeout_s
+        self.name = "mpi"
+
+    def _wait(self, request, what: str) -> None:
+        """Drive ``request`` to completion, or raise CollectiveTimeout after ``timeout_s`` (MPI has no timed wait)."""
+        if not wait_with_deadline(request.Test, self.timeout_s):
+            raise CollectiveTimeout(what)
+
+    def fail(self, message: str) -> NoReturn:
+        """Log ``message`` and abort the whole MPI job, so that mpiexec returns (a stuck peer never would)."""
+        logger.error(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        _mpi().COMM_WORLD.Abort(1)
+        raise CollectiveTimeout(message)  # not reached
 
     # -- buffers ------------------------------------------------------------------------------
     def _spec(self, tensor: torch.Tensor):
@@ -114,12 +133,14 @@ class MpiComm:
             request = self.mpi.Ireduce(MPI.IN_PLACE, self._spec(host), op=op, root=owner)
         else:
             request = self.mpi.Ireduce(self._spec(host), None, op=op, root=owner)
-        return Pending(lambda: (request.Wait(), self._back(host, tensor, self.rank == owner))[1], host)
+        return Pending(lambda: (self._wait(request, f"reduce to rank {owner}"),
+                                self._back(host, tensor, self.rank == owner))[1], host)
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         host = self._host(tensor)
         request = self.mpi.Ibcast(self._spec(host), root=owner)
-        return Pending(lambda: (request.Wait(), self._back(host, tensor, self.rank != owner))[1], host)
+        return Pending(lambda: (self._wait(request, f"broadcast from rank {owner}"),
+                                self._back(host, tensor, self.rank != owner))[1], host)
 
     @staticmethod
     def _back(host: torch.Tensor, tensor: torch.Tensor, received: bool) -> None:
@@ -129,6 +150,6 @@ class MpiComm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         host = self._host(tensor)
-        self.mpi.Allreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM)
+        self._wait(self.mpi.Iallreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM), "all-reduce")
         if host is not tensor:
             tensor.copy_(host)

@@ -25,17 +25,17 @@ import torch
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed import comm as dist
-from deepspeed.comm import pg_utils
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm, is_model_parallel_parameter
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from deepspeed.utils import logger
 
 from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
 from .checkpoint_sources import CheckpointSource
-from .comm import TorchComm
+from .comm import TorchComm, Transport
+from .deadline import StepMismatch, wait_or_fail
 from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, describe_zero_mapping
 from .inner_optimizer import (check_supported, keep_owned_state, newton_schulz_work, orthogonalized_params,
                               step_value, whole_matrix_params)
@@ -45,6 +45,9 @@ from .plan import OwnershipPlan, plan_ownership
 from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
 from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
+
+
+STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
 
 
 class TensorShardOptimizer(ZeROOptimizer):
@@ -62,7 +65,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
-        self.comm = _transport(config.comm_backend, self.dp_process_group)
+        self.comm = _transport(config.comm_backend, self.dp_process_group, config.timeout_s)
+        self._step_of = lambda: engine.global_steps
         self.partition_gradients = engine.zero_optimization_stage() == 2
         self.clip_grad = float(engine.gradient_clipping())
         self.dtype = engine.get_data_types()[0]
@@ -113,7 +117,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
         self.reducer = OverlappedReducer(self._build_buckets(list(reversed(self.params))), self.comm, self.averaging,
                                          self._deliver, self.params, self.names.__getitem__, self._build_buckets,
-                                         self._gradient_of, self._release)
+                                         self._gradient_of, self._release, self._step_of)
         for param in self.params:  # a model given to a new engine drops the previous engine's hook
             previous = getattr(param, "_tensorshard_hook", None)
             if previous is not None:
@@ -223,14 +227,25 @@ class TensorShardOptimizer(ZeROOptimizer):
         overflow; the gradients are unscaled and clipped with the loss scale *after* its update."""
         self.reducer.drain()
         self.shard.gradients_to_masters()
-        partials = self.shard.squared_grad_norms(self._counted_in_norm).float()
-        self.comm.all_reduce_sum(partials)
-        if pg_utils.is_parallel(self.model_parallel_group):  # tensor-parallel shards add up, as stock
+        step = self._step_of()
+        # one extra element: the ranks' steps (mod 4096, exact in fp32), summed with the norms
+        stats = torch.cat([self.shard.squared_grad_norms(self._counted_in_norm).float(),
+                           torch.tensor([float(step % STEP_CHECK_MODULUS)], device=self.shard.device)])
+        wait_or_fail(lambda: self.comm.all_reduce_sum(stats), self.comm, lambda: f"step {step}, global norm all-reduce")
+        partials, steps = stats[:-1].clone(), float(stats[-1])
+        if steps != self.comm.world_size * (step % STEP_CHECK_MODULUS):
+            raise StepMismatch(
+                f"ds_tensorshard: the ranks of the data-parallel group are at different optimizer steps: this rank "
+                f"(rank {self.comm.rank}) is at step {step}, but their steps (mod {STEP_CHECK_MODULUS}) sum to "
+                f"{steps:.0f}, not {self.comm.world_size} x {step % STEP_CHECK_MODULUS}; a rank skipped or repeated "
+                "a step (its data ran out?)")
+        if self.model_parallel_group is not None and dist.get_world_size(self.model_parallel_group) > 1:
+            # tensor-parallel shards add up, as stock
             dist.all_reduce(partials, group=self.model_parallel_group)
         group_norms = partials.pow(1.0 / 2)
-        group_norms.masked_fill_(~torch.isfinite(group_norms), -1.0)
-        scaled_norm = combine_grad_norm_groups(list(group_norms))
-        self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and is_invalid_grad_norm(scaled_norm)
+        invalid = bool((~torch.isfinite(group_norms)).any())  # a group's inf/nan makes the whole norm invalid
+        scaled_norm = torch.full((), float("inf"), device=partials.device) if invalid else torch.linalg.vector_norm(group_norms)
+        self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and invalid
         prev_scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
@@ -263,9 +278,9 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.shard.step()
         self.shard.drop_grads()
         if self.defer_gather:
-            self.pending_gather = Gather(self.buckets, self.comm)
+            self.pending_gather = Gather(self.buckets, self.comm, self.reducer.describe)
         else:
-            gather_buckets(self.buckets, self.comm)
+            gather_buckets(self.buckets, self.comm, self.reducer.describe)
 
     def finish_gather(self) -> None:
         """Complete the all-gathers a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
@@ -390,11 +405,11 @@ def _check_whole(plan: OwnershipPlan, params: list, names: dict, whole: set, opt
             "of initialize_many 'tensorshard.split_tensors': 'never'")
 
 
-def _transport(backend: str, group: Any) -> Any:
+def _transport(backend: str, group: Any, timeout_s: float) -> Transport:
     if backend == "mpi":
         from .mpi_comm import MpiComm
-        return MpiComm(group)
-    return TorchComm(group)
+        return MpiComm(group, timeout_s)
+    return TorchComm(group, timeout_s)
 
 
 def _as_int(step: Any) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from .buckets import Bucket
 from .comm import Pending, Transport
+from .deadline import wait_or_fail
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,12 @@ class OverlappedReducer:
                  name_of: Callable[[torch.nn.Parameter], str],
                  rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]],
                  gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
-                 release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None)) -> None:
+                 release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None),
+                 step_of: Callable[[], int] = lambda: 0) -> None:
         self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
-        self.gradient_of, self.release = gradient_of, release
+        self.gradient_of, self.release, self.step_of = gradient_of, release, step_of
         self.params = list(params)
-        self.in_flight: deque[tuple[Bucket, Pending]] = deque()
+        self.in_flight: deque[tuple[int, Bucket, Pending]] = deque()
         self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
         self._use(buckets)
 
@@ -139,15 +141,15 @@ class OverlappedReducer:
         index = self.started
         bucket = self.buckets[index]
         self.started += 1
-        self.in_flight.append((bucket, start_reduce(bucket, self.comm, self.averaging, self.gradient_of)))
+        self.in_flight.append((index, bucket, start_reduce(bucket, self.comm, self.averaging, self.gradient_of)))
         for param in self.releases[index]:
             self.release(param)
         while len(self.in_flight) > IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        bucket, pending = self.in_flight.popleft()
-        segment = pending.wait()
+        index, bucket, pending = self.in_flight.popleft()
+        segment = wait_or_fail(pending.wait, self.comm, lambda: self.describe(index, bucket, "reduce"))
         if segment is not None:
             self.deliver(bucket, segment)
 
@@ -167,9 +169,16 @@ class OverlappedReducer:
         order = self.observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
         position = {id(p): i for i, p in enumerate(self.params)}
         agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
-        self.comm.start_broadcast(agreed, 0).wait()
+        wait_or_fail(self.comm.start_broadcast(agreed, 0).wait, self.comm,
+                     lambda: f"step {self.step_of()}, agreeing on the order backward produces gradients in")
         self.observed = None
         self._use(self.rebuild([self.params[i] for i in agreed.tolist()]))
+
+    def describe(self, index: int, bucket: Bucket, kind: str) -> str:
+        """Where a collective of bucket ``index`` belongs, for an error."""
+        first = bucket.segments[0].pieces[0].param
+        return (f"step {self.step_of()}, {kind} of bucket {index} of {len(self.buckets)} (first tensor "
+                f"'{self.name_of(first)}', {bucket.numel:,} elements)")
 
     def drain(self) -> None:
         """Complete every reduction still in flight."""

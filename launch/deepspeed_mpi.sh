@@ -13,4 +13,5 @@ source launch/free_port.sh
 runner="$(python -c 'import ds_tensorshard.__main__ as m; print(m.__file__)')"
 flags=(--hostfile "$hostfile" --launcher "${LAUNCHER:-mpich}" --master_port "$PORT")
 if [ -z "${MULTI_HOST:-}" ]; then flags+=(--force_multi --no_ssh_check --master_addr "${MASTER_ADDR:-127.0.0.1}"); fi
-exec deepspeed "${flags[@]}" "$runner" "$@"
+source launch/process_group.sh
+run_group deepspeed "${flags[@]}" "$runner" "$@"

@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 source launch/free_port.sh
-deepspeed --num_gpus "${RANKS:-2}" --master_port "$PORT" --module ds_tensorshard.examples.train_gpt \
+source launch/process_group.sh
+run_group deepspeed --num_gpus "${RANKS:-2}" --master_port "$PORT" --module ds_tensorshard.examples.train_gpt \
     --deepspeed_config "${CONFIG:-configs/tensorshard_fp32.json}" --steps "${STEPS:-40}"

@@ -7,4 +7,5 @@ ranks="$1"; shift
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 source launch/free_port.sh
-deepspeed --num_gpus "$ranks" --master_port "$PORT" --module ds_tensorshard "$@"
+source launch/process_group.sh
+run_group deepspeed --num_gpus "$ranks" --master_port "$PORT" --module ds_tensorshard "$@"

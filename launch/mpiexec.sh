@@ -10,4 +10,5 @@ cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 hosts=()
 if [ -n "${HOSTFILE:-}" ]; then hosts=(-f "$HOSTFILE"); fi
-exec mpiexec "${hosts[@]}" -n "$ranks" python -m ds_tensorshard "$@"
+source launch/process_group.sh
+run_group mpiexec "${hosts[@]}" -n "$ranks" python -m ds_tensorshard "$@"

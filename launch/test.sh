@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
-python -m pytest -q -p no:cacheprovider tests "$@"
+source launch/process_group.sh
+run_group python -m pytest -q -p no:cacheprovider tests "$@"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import sys
 
@@ -22,6 +23,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
+from ds_tensorshard.checkpoint_files import CheckpointError  # noqa: E402
 from ds_tensorshard.comm import close_process_group  # noqa: E402
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
 from optimizers import setup  # noqa: E402
@@ -56,6 +58,9 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--save-at", type=int, nargs="+", default=[])
     parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
+    parser.add_argument("--fail-save-at", type=int,
+                        help="rank 1 may write no file over 64 KiB (ulimit -f) during this save; every rank then "
+                             "prints the error and exits 3")
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
@@ -95,7 +100,15 @@ def main() -> None:
         if args.save and engine.global_steps in args.save_at:
             if engine.global_steps == args.die_during_save_at and rank == 1:
                 die_inside_torch_save()
-            engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
+            if engine.global_steps == args.fail_save_at and rank == 1:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+                resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+            try:
+                engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
+            except CheckpointError as err:
+                print(f"SAVE FAILED {err}", flush=True)
+                close_process_group()
+                sys.exit(3)
     if rank == 0:
         torch.save({"losses": losses, "params": {n: p.detach().float().clone()
                                                  for n, p in engine.module.named_parameters()}}, args.out)

@@ -9,7 +9,6 @@ Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import torch
@@ -17,16 +16,15 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from compare import TOLERANCE  # noqa: E402
-from ranks import free_port, launcher_env, run_ranks  # noqa: E402
+from ranks import free_port, launcher_env, run_in_group, run_ranks  # noqa: E402
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 GPU_VS_CPU = dict(loss=1e-4, param=1e-3)  # other kernels (cuBLAS vs CPU GEMM), same math
 
 
 def mpiexec(args: list[str], env: dict) -> None:
-    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *args],
-                          env={**launcher_env(), "MASTER_PORT": str(free_port()), **env},
-                          capture_output=True, text=True, timeout=200)
+    proc = run_in_group([MPIEXEC, "-n", "2", sys.executable, *args],
+                          env={**launcher_env(), "MASTER_PORT": str(free_port()), **env}, timeout=200)
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
 

@@ -1,17 +1,23 @@
-"""``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written."""
+"""``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written; a bench
+killed mid-way leaves no process behind."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
-from ranks import TIMEOUT_S, launcher_env
+import pytest
+
+from ranks import TIMEOUT_S, kill_group, launcher_env, run_in_group
 
 
 TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "bench", *args],
-                          env=launcher_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "bench", *args],
+                          env=launcher_env(), timeout=TIMEOUT_S)
 
 
 def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
@@ -71,3 +77,35 @@ def test_bench_muon_reports_newton_schulz_work_and_adafactor_its_state(tmp_path)
             assert "Newton-Schulz work" in (out / "results.md").read_text()
         else:  # factored second moments instead of one value per element of a flat slice
             assert ours["optimizer_state_bytes_total"] < stock["optimizer_state_bytes_total"] / 2
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_bench_killed_mid_way_leaves_no_process_behind(tmp_path, signum):
+    out = tmp_path / f"killed{int(signum)}"
+    proc = subprocess.Popen([sys.executable, "-m", "ds_tensorshard.cli", "bench", *TINY, "--steps", "500",
+                             "--configs", "ts_torch", "--out", str(out)], env=launcher_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_processes_mentioning(f"{out}/raw")) < 3:  # mpiexec and both ranks are running
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        time.sleep(5)  # the ranks are training
+        proc.send_signal(signum)  # only the bench process itself, as a supervisor or a TTY would
+        proc.wait(timeout=60)
+        time.sleep(2)
+        assert _processes_mentioning(f"{out}/raw") == []
+    finally:
+        kill_group(proc)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import deepspeed
@@ -20,7 +19,7 @@ import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
 from ds_tensorshard.rank_file import FORMAT_KEY
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
-from ranks import run_ranks, run_until_one_dies
+from ranks import run_in_group, run_ranks, run_until_one_dies
 from tiny_gpt import TinyGPT
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
@@ -45,9 +44,10 @@ def runs(tmp_path_factory):
     r["stock2"] = train(d / "s2.pt", "fp32", "stock", 2, 2, "--save", d / "s2", "--save-at", 3)
     r["stock2to2"] = train(d / "ls22.pt", "fp32", "ts", 2, 2, "--load", d / "s2")
     r["stock2to3s1"] = train(d / "ls23.pt", "fp32", "ts", 1, 3, "--load", d / "s2")
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(d / "s2" / "step3"), "--output_folder", str(d / "s2" / "step3_universal"),
-                    "--inject_missing_state"], check=True, capture_output=True, timeout=300)
+    universal = run_in_group([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                              str(d / "s2" / "step3"), "--output_folder", str(d / "s2" / "step3_universal"),
+                              "--inject_missing_state"], timeout=300)
+    assert universal.returncode == 0, universal.stderr[-3000:]
     r["universal3"] = train(d / "lu3.pt", "fp32", "ts", 2, 3, "--load", d / "s2", "--universal")
     r["stock1bf16"] = train(d / "sb.pt", "bf16", "stock", 1, 3, "--save", d / "sb", "--save-at", 3)
     r["stock1bf16to2"] = train(d / "lsb.pt", "bf16", "ts", 1, 2, "--load", d / "sb")
@@ -63,8 +63,7 @@ def runs(tmp_path_factory):
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -246,8 +245,8 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
     for config, message in [({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
                             ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block")]:
         (tmp_path / "in.json").write_text(json.dumps(config))
-        proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "migrate-config", str(tmp_path / "in.json"),
-                               "-o", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+        proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "migrate-config", str(tmp_path / "in.json"),
+                               "-o", str(tmp_path / "out.json")], timeout=120)
         assert proc.returncode != 0 and message in proc.stderr
         assert not (tmp_path / "out.json").exists()
 

@@ -7,8 +7,6 @@ ZeRO stage enums) still load.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import deepspeed
@@ -20,6 +18,7 @@ import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
 from ds_tensorshard.rank_file import RankFile
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+from ranks import run_in_group
 from tiny_gpt import TinyGPT
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -84,8 +83,8 @@ def test_payload_is_refused_by_convert_checkpoint(saved, tmp_path):
     marker = tmp_path / "created_by_payload"
     plant(saved / "t" / RANK_FILE, "loss_scaler", CreatesFile(str(marker)))
     for to, dst in (("fp32", tmp_path / "w.pt"), ("zero", tmp_path / "z"), ("tensorshard", tmp_path / "ts")):
-        proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(saved), str(dst),
-                               "--to", to], capture_output=True, text=True, timeout=300)
+        proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(saved), str(dst),
+                               "--to", to], timeout=300)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert RANK_FILE in proc.stderr and "refers to exec," in proc.stderr, proc.stderr
         assert not marker.exists() and not dst.exists()

@@ -10,7 +10,6 @@ zero_grad(set_to_none=False), a fused torch AdamW resumed, the norm's memory, re
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import deepspeed
@@ -21,7 +20,7 @@ import ds_tensorshard  # noqa: F401
 from compare import assert_run_matches
 from ds_tensorshard.config import TensorShardConfigError
 from feature_worker import SCENARIOS
-from ranks import run_ranks
+from ranks import run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 WORLD = 3
@@ -195,6 +194,6 @@ rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 assert abs(float(total[0]) - 12_500_000.0) < 1e-6, float(total[0])
 print(rise)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = run_in_group([sys.executable, "-c", code], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 64  # MiB; a whole fp64 copy would be 381 MiB

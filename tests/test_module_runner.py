@@ -1,13 +1,12 @@
 """``python -m ds_tensorshard SCRIPT``: an unmodified script runs with the plugin, also under the deepspeed launcher."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from ds_tensorshard.__main__ import split_argv
-from ranks import TIMEOUT_S, free_port, rank_env, run_deepspeed_launcher, run_ranks
+from ranks import TIMEOUT_S, free_port, rank_env, run_deepspeed_launcher, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "plain_train.py")
@@ -40,7 +39,7 @@ def test_deepspeed_launcher_with_module_flag_runs_unmodified_script():
 def test_plain_python_without_the_runner_gets_stock_deepspeed():
     # the same script run directly never registers the plugin: the tensorshard block is inert
     env = rank_env(0, 1, free_port())
-    proc = subprocess.run([sys.executable, SCRIPT, "--steps", "1"], env=env, capture_output=True, text=True,
+    proc = run_in_group([sys.executable, SCRIPT, "--steps", "1"], env=env,
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert [r["optimizer"] for r in results(proc.stdout)] == ["DeepSpeedZeroOptimizer"]
@@ -48,8 +47,7 @@ def test_plain_python_without_the_runner_gets_stock_deepspeed():
 
 def test_python_m_runner_single_process():
     env = rank_env(0, 1, free_port())
-    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard", SCRIPT, "--steps", "1"], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_in_group([sys.executable, "-m", "ds_tensorshard", SCRIPT, "--steps", "1"], env=env, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert [r["optimizer"] for r in results(proc.stdout)] == ["TensorShardOptimizer"]
 

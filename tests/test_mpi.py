@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from compare import assert_run_matches
 from many_worker import assert_each_model_matches_stock, assert_overlapped
-from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 BIN = os.path.dirname(sys.executable)
@@ -28,8 +27,7 @@ def mpi_env(port: int) -> dict:
 
 def mpiexec(args, n, extra=()):
     port = free_port()
-    proc = subprocess.run([MPIEXEC, *extra, "-n", str(n), sys.executable, *args], env=mpi_env(port),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_in_group([MPIEXEC, *extra, "-n", str(n), sys.executable, *args], env=mpi_env(port), timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -82,7 +80,7 @@ def test_deepspeed_launcher_mpich_with_hostfile(tmp_path):
     cmd = [os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--launcher", "mpich", "--force_multi",
            "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            runner.__file__, PLAIN, "--comm-backend", "mpi"]
-    proc = subprocess.run(cmd, env=mpi_env(free_port()), capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = run_in_group(cmd, env=mpi_env(free_port()), timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     found = results(proc.stdout)
     assert [(r["rank"], r["transport"]) for r in found] == [(0, "MpiComm"), (1, "MpiComm")]

@@ -10,14 +10,13 @@ names, resume at another data-parallel size, and convert to and from stock ZeRO 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from compare import assert_run_matches
-from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "tp_worker.py")
@@ -34,8 +33,8 @@ def tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     run_ranks([WORKER, str(out), "2", *CASES], 4)
     port = free_port()
-    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
-                          env={**launcher_env(), "MASTER_PORT": str(port)}, capture_output=True, text=True,
+    proc = run_in_group([MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
+                          env={**launcher_env(), "MASTER_PORT": str(port)},
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
@@ -76,8 +75,8 @@ def tp_checkpoints(tmp_path_factory):
     runs["2to1"] = train(d / "l21", 2, "fp32:ts:2", "--load", d / "c")  # 2 tp x 1 dp
     runs["stock"] = train(d / "stock", 4, "fp32:stock:2", "--save", d / "s")
     runs["stock2to1"] = train(d / "ls21", 2, "fp32:ts:2", "--load", d / "s")
-    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(d / "c"),
-                           str(d / "z"), "--to", "zero", "--world-size", "1"], capture_output=True, text=True,
+    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(d / "c"),
+                           str(d / "z"), "--to", "zero", "--world-size", "1"],
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     runs["zero2to1"] = train(d / "lz21", 2, "fp32:stock:2", "--load", d / "z")
@@ -249,9 +248,8 @@ def ulysses(tmp_path_factory):
     cases = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m in ("stock", "ts") for s in (1, 2)]
     run_ranks([os.path.join(HERE, "sp_worker.py"), str(out), "2", *cases], 4)
     port = free_port()
-    proc = subprocess.run([MPIEXEC, "-n", "4", sys.executable, os.path.join(HERE, "sp_worker.py"), str(out), "2",
-                           "fp32:tsmpi:2"], env={**launcher_env(), "MASTER_PORT": str(port)}, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = run_in_group([MPIEXEC, "-n", "4", sys.executable, os.path.join(HERE, "sp_worker.py"), str(out), "2",
+                           "fp32:tsmpi:2"], env={**launcher_env(), "MASTER_PORT": str(port)}, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 

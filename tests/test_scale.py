@@ -10,14 +10,13 @@ behind the marker), convert to stock ZeRO and to fp32 weights.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from compare import assert_cases_match
-from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -35,8 +34,8 @@ def launch(n: int, transport: str, out) -> None:
         run_ranks([worker, str(out), *TORCH_CASES], n, env=VOCAB)
         return
     port = free_port()
-    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, worker, str(out), *MPI_CASES],
-                          env={**launcher_env(), **VOCAB, "MASTER_PORT": str(port)}, capture_output=True, text=True,
+    proc = run_in_group([MPIEXEC, "-n", str(n), sys.executable, worker, str(out), *MPI_CASES],
+                          env={**launcher_env(), **VOCAB, "MASTER_PORT": str(port)},
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -110,8 +109,7 @@ def assert_continues(resumed, reference, first_step=3):
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **CKPT_ENV})
+    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300, env={**os.environ, **CKPT_ENV})
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
