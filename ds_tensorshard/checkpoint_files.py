@@ -103,7 +103,9 @@ def load(path: str) -> Any:
         try:
             return _torch_load(path, mmap)
         except pickle.UnpicklingError as err:
-            raise _refusal(path, err) from None
+            if re.search(r"GLOBAL|allowlisted|add_safe_globals", str(err)):  # a type outside the allow-list
+                raise _refusal(path, err) from None
+            raise CheckpointError(f"cannot read checkpoint file {path}: {err}") from None
         except RuntimeError as err:
             if mmap and "mmap" in str(err):
                 continue  # legacy (non-zip) serialization cannot be memory-mapped
