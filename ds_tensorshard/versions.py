@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import warnings
 
-# [low, high). 0.19.8 is the first release with deepspeed.comm.pg_utils and runtime.utils'
-# combine_grad_norm_groups / is_invalid_grad_norm, which the optimizer imports (README "DeepSpeed versions")
+# [low, high): verified with 0.19.8. Through 0.19.0 the engine lacks zero_compute_grad_norm() and sets
+# optimizer.is_gradient_accumulation_boundary as a bool instead of calling set_gradient_accumulation_boundary()
+# (zero_compute_grad_norm is in 0.19.7, set_gradient_accumulation_boundary in 0.19.6; both untested)
 SUPPORTED_DEEPSPEED = ((0, 19, 8), (0, 20, 0))
 UNTESTED_ENV = "DS_TENSORSHARD_UNTESTED_DEEPSPEED"  # =1: warn instead of refusing (to try another release)
 

@@ -1,0 +1,91 @@
+"""HF Transformers ``Trainer`` with ds_tensorshard: the one change is ``import ds_tensorshard`` (or running the
+script through ``python -m ds_tensorshard``); the DeepSpeed config dict given to ``TrainingArguments`` has a
+``"tensorshard"`` block. A tiny GPT-2 built from its config (random init, fixed seed; no model hub), random
+tokens, sequential batches so that a step sees the same samples at any world size.
+
+    deepspeed --num_gpus 2 --module ds_tensorshard.examples.hf_trainer --out runs/hf       # or torchrun
+    ... --resume runs/hf/checkpoint-3 --grad-accum 2                                       # resume at 3 ranks
+
+``--stock`` drops the tensorshard block (stock ZeRO-2); ``--results FILE`` makes rank 0 save the logged
+losses and the final parameters.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
+
+VOCAB, SEQ, SAMPLES = 128, 16, 96
+
+
+def ds_config(stock: bool) -> dict:
+    """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block, the tensorshard block."""
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000}}
+    if not stock:
+        config["tensorshard"] = {"enabled": True}
+    return config
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed random token sequences; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, n: int = SAMPLES) -> None:
+        self.tokens = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="Trainer output_dir (checkpoint-N folders)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-steps", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=3, help="keep micro x accum x ranks fixed across resumes")
+    parser.add_argument("--resume", help="a checkpoint-N folder to resume from")
+    parser.add_argument("--stock", action="store_true", help="stock ZeRO-2 (no tensorshard block)")
+    parser.add_argument("--results", help="rank 0 saves losses and final parameters here")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args()
+
+    from transformers import Trainer, TrainingArguments
+    training = TrainingArguments(
+        output_dir=args.out, deepspeed=ds_config(args.stock), max_steps=args.steps, save_steps=args.save_steps,
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
+        learning_rate=1e-2, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=2, logging_steps=1,
+        train_sampling_strategy="sequential", save_only_model=False, report_to="none", seed=0,
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=tiny_gpt2(), args=training, train_dataset=RandomTokens())
+    trainer.train(resume_from_checkpoint=args.resume)
+    engine = trainer.model_wrapped
+    if trainer.is_world_process_zero():
+        losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
+        print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")
+        if args.results:
+            torch.save({"losses": losses, "optimizer_class": type(engine.optimizer).__name__,
+                        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
+                       args.results)
+    from ds_tensorshard.comm import close_process_group
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()
