@@ -291,7 +291,6 @@ def gather(config_path: Optional[str] = None, world_sizes: Optional[list[int]] =
 
 def format_text(report: Mapping[str, Any]) -> list[str]:
     v, mpi, acc, fa = report["versions"], report["mpi"], report["accelerator"], report["fused_adam"]
-    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
     lines = ["ds_tensorshard report", "-" * 60,
              f"python           {v['python']}",
              f"torch            {v['torch']}" + (f" (CUDA {v['torch_cuda']})" if v["torch_cuda"] else " (CPU build)"),
