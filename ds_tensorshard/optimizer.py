@@ -72,7 +72,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.dtype = engine.get_data_types()[0]
         self.check_grad_overflow = engine.fp16_enabled() or (
             engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
-        self.compute_grad_norm = engine.zero_compute_grad_norm()
+        # DeepSpeed before 0.19.7 has no compute_grad_norm setting: it always computes the norm
+        self.compute_grad_norm = getattr(engine, "zero_compute_grad_norm", lambda: True)()
         self.model_parallel_group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
         self.model_parallel_rank = bwc_tensor_model_parallel_rank(engine.mpu)
         self._init_loss_scaling(engine)
@@ -191,7 +192,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         boundary's, outside ``engine.no_sync()``), hand the gradient to the reducer, which starts
         complete buckets at once. Otherwise (stage 1) the gradient accumulates, in the model or held
         in ``grad_accum_dtype``."""
-        reducing = self.partition_gradients or (self.is_gradient_accumulation_boundary() and not self._inside_no_sync()
+        reducing = self.partition_gradients or (self._at_boundary() and not self._inside_no_sync()
                                                 and not self.pipeline)
         if self.held is not None and (param in self.held or not reducing):
             held = self.held.get(param)
@@ -199,6 +200,12 @@ class TensorShardOptimizer(ZeROOptimizer):
             param.grad = None
         if reducing:
             self.reducer.gradient_ready(param)
+
+    def _at_boundary(self) -> bool:
+        """The engine's accumulation boundary: a method with a setter since DeepSpeed 0.19.6, a plain
+        attribute the engine assigns before that."""
+        flag = self.is_gradient_accumulation_boundary
+        return bool(flag() if callable(flag) else flag)
 
     def _gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The gradient to reduce: held in a wider dtype (stage 1 with grad_accum_dtype), else the model's."""
