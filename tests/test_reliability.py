@@ -59,6 +59,7 @@ def run_mpiexec(mode: str) -> tuple[int, float, str]:
 def test_stopped_rank_torch_transport_others_raise_within_the_deadline():
     code, ended, out0, out1 = run_ranks_until_rank0_ends("stop")
     stopped = events(out1)["stop"]
+    print(f"torch transport, rank 1 stopped: rank 0 ended {ended - stopped:.1f} s later")
     assert code != 0 and "step2" not in events(out0)
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
     assert re.search(r"ds_tensorshard: step 2, reduce of bucket \d+ of \d+ \(first tensor '[\w.]+', [\d,]+ elements\): "
@@ -69,6 +70,7 @@ def test_stopped_rank_torch_transport_others_raise_within_the_deadline():
 def test_stopped_rank_mpi_transport_aborts_the_job_within_the_deadline():
     code, ended, out = run_mpiexec("stop")
     stopped = events(out)["stop"]
+    print(f"mpi transport, rank 1 stopped: mpiexec returned {ended - stopped:.1f} s later")
     assert code != 0 and "done" not in events(out)
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
     assert re.search(r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi transport; ranks that have not "
@@ -86,6 +88,7 @@ def test_rank_that_skips_a_step_leaves_the_others_to_the_deadline_naming_it(tran
         code, ended, out = run_mpiexec("skip")
         assert out.count("EVENT done") == 1  # rank 1's alone
     assert code != 0
+    print(f"{transport} transport, rank 1 ended a step early: rank 0 ended {ended - events(out)['done']:.1f} s later")
     assert ended - events(out)["done"] <= TIMEOUT_S + GRACE_S + SLACK_S
     transport_name = r"torch \(gloo\)" if transport == "torch" else "mpi"
     assert re.search(rf"ds_tensorshard: step 5, reduce of bucket \d+ .* on the {transport_name} transport; ranks that "
@@ -119,6 +122,7 @@ def test_killed_rank_ends_the_job_promptly_under_both_launchers(tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
         killed = events(log.read_text())["kill"]
+        print(f"{name}: rank 1 SIGKILLed, the launcher returned {ended - killed:.1f} s later (rc {proc.returncode})")
         assert proc.returncode != 0 and ended - killed <= 15, (name, ended - killed, out[-2000:])
 
 
