@@ -40,10 +40,11 @@ def main() -> None:
     parser.add_argument("--numel", type=int, nargs="+", default=[25_000_000, 100_000_000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=29500)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each collective")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
     group = dist.new_group(list(range(dist.get_world_size())))
-    transports = {"torch": TorchComm(group), "mpi": MpiComm(group)}
+    transports = {"torch": TorchComm(group, args.timeout_s), "mpi": MpiComm(group, args.timeout_s)}
     n = dist.get_world_size()
     for numel in args.numel:
         counts = [numel // n + (1 if r < numel % n else 0) for r in range(n)]
