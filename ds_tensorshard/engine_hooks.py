@@ -63,8 +63,9 @@ def _wrap_configure_zero(original):
         config = _enabled_config(self)
         if config is None:
             return original(self, optimizer)
-        from .optimizer import TensorShardOptimizer
-        return TensorShardOptimizer(optimizer, engine=self, config=config)
+        from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
+        return TensorShardOptimizer(optimizer, engine=self, config=config,
+                                    joint_plan=getattr(self.module, JOINT_PLAN_ATTRIBUTE, None))
     return _configure_zero_optimizer
 
 

@@ -1,4 +1,4 @@
-"""Several models, one sharding service (patent claim 6).
+"""Several models, one sharding service.
 
 ``initialize_many`` plans the union of all models' tensors at once, so per-model imbalances do not
 add up on one rank, and its engines leave their last gradient reductions running into the next
@@ -16,31 +16,14 @@ Example (every rank runs the same lines)::
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import deepspeed
 from deepspeed import comm as dist
 
-from .plan import OwnershipPlan, plan_ownership
-
-_JOINT_PLAN: contextvars.ContextVar[Optional[OwnershipPlan]] = contextvars.ContextVar("joint_plan", default=None)
-
-
-def joint_plan() -> Optional[OwnershipPlan]:
-    """The plan shared by the engines being built by :func:`initialize_many`, if any."""
-    return _JOINT_PLAN.get()
-
-
-@contextlib.contextmanager
-def _sharing(plan: OwnershipPlan) -> Iterator[None]:
-    token = _JOINT_PLAN.set(plan)
-    try:
-        yield
-    finally:
-        _JOINT_PLAN.reset(token)
+from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
+from .plan import plan_ownership
 
 
 def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
@@ -61,8 +44,14 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
                 tensors.append((key, tuple(param.shape)))
                 names[id(param)] = key
     plan = plan_ownership(tensors, dist.get_world_size(), param_names=names, split=modes.pop())
-    with _sharing(plan):
-        return [deepspeed.initialize(**item) for item in items]
+    results = []
+    for item in items:  # the engine hands the model's joint plan to its TensorShardOptimizer
+        setattr(item["model"], JOINT_PLAN_ATTRIBUTE, plan)
+        try:
+            results.append(deepspeed.initialize(**item))
+        finally:
+            delattr(item["model"], JOINT_PLAN_ATTRIBUTE)
+    return results
 
 
 def _split_mode(item: Mapping[str, Any]) -> str:
@@ -80,17 +69,16 @@ def step_many(engines: Sequence[Any]) -> None:
     boundary completes its reductions and global norm, then each model's owned tensors are updated while
     the previous model's all-gathers run; all gathers are complete on return. Same result as stepping
     the engines one by one."""
-    from .optimizer import TensorShardOptimizer
     sharded = [e.optimizer for e in engines
                if isinstance(e.optimizer, TensorShardOptimizer) and e.is_gradient_accumulation_boundary()]
     for optimizer in sharded:
         optimizer.prepare_step()
-        optimizer.defer_gather = True
+        optimizer.overlap.defer_gather = True
     try:
         for engine in engines:
             engine.step()
     finally:
         for optimizer in sharded:
-            optimizer.defer_gather = False
+            optimizer.overlap.defer_gather = False
         for optimizer in sharded:
             optimizer.finish_gather()

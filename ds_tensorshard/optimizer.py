@@ -19,6 +19,7 @@ Example (one process; with more ranks every rank runs the same lines)::
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,6 @@ from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, des
 from .inner_optimizer import (check_supported, keep_owned_state, newton_schulz_work, orthogonalized_params,
                               step_value, whole_matrix_params)
 from .gather import Gather, gather_buckets
-from .many import joint_plan
 from .plan import OwnershipPlan, plan_ownership
 from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
 from .reduce import Averaging, OverlappedReducer
@@ -48,6 +48,24 @@ from .update import OwnedShard
 
 
 STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
+JOINT_PLAN_ATTRIBUTE = "_tensorshard_joint_plan"  # set on a model by initialize_many while its engine is built
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`TensorShardOptimizer.prepare_step` decided, for :meth:`~TensorShardOptimizer.step` to apply."""
+    overflow: bool
+    combined_scale: float | torch.Tensor | None  # the unscale-and-clip divisor; None: gradients stay as they are
+
+
+@dataclass
+class Overlap:
+    """A step's state that reaches outside :meth:`TensorShardOptimizer.step`, where several models overlap
+    (:func:`~ds_tensorshard.initialize_many`, :func:`~ds_tensorshard.step_many`)."""
+    reduce_in_background: bool  # engines of initialize_many: the last reductions of a backward keep running
+    defer_gather: bool = False  # set by step_many: step() starts the gathers, finish_gather() completes them
+    pending_gather: Gather | None = None  # the gathers a deferred step started
+    prepared: Prepared | None = None  # prepare_step() ran (step_many runs it for every engine first)
 
 
 class TensorShardOptimizer(ZeROOptimizer):
@@ -56,10 +74,12 @@ class TensorShardOptimizer(ZeROOptimizer):
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
     made out of the ``optimizer`` block or the client optimizer. ``zero_optimization.stage`` 1
     reduces at the accumulation boundary; stage 2 reduces every micro-step and keeps only owned
-    gradients. ``plan`` is the :class:`~ds_tensorshard.plan.OwnershipPlan`.
+    gradients. ``plan`` is the :class:`~ds_tensorshard.plan.OwnershipPlan`: ``joint_plan`` when the
+    engine is one of :func:`~ds_tensorshard.initialize_many`'s, else one made for this model alone.
     """
 
-    def __init__(self, init_optimizer: torch.optim.Optimizer, engine: Any, config: TensorShardConfig) -> None:
+    def __init__(self, init_optimizer: torch.optim.Optimizer, engine: Any, config: TensorShardConfig,
+                 joint_plan: OwnershipPlan | None = None) -> None:
         super().__init__()
         check_supported(init_optimizer)
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
@@ -90,7 +110,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         whole = {self.names[p] for p in whole_matrix_params(init_optimizer) if p in self.names}
         work = {self.names[p]: newton_schulz_work(tuple(p.shape)) for p in orthogonalized_params(init_optimizer)
                 if p in self.names}
-        self.plan = joint_plan() or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
+        self.plan = joint_plan or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
                                                    self.comm.world_size,
                                                    param_names={id(p): name for p, name in self.names.items()},
                                                    split=config.split_tensors, unsplittable=whole, work=work)
@@ -98,10 +118,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         _check_whole(self.plan, self.params, self.names, whole, type(init_optimizer).__name__)
         # an engine of initialize_many leaves its last reductions in flight after backward, to run
         # during the next model's backward; its step() (or zero_grad()) completes them
-        self.reduce_in_background = joint_plan() is not None
-        self.defer_gather = False  # set by step_many: step() starts the all-gathers, finish_gather() completes them
-        self.pending_gather: Gather | None = None
-        self._prepared: tuple[bool, Any] | None = None  # (overflow, combined unscale-and-clip factor or None)
+        self.overlap = Overlap(reduce_in_background=joint_plan is not None)
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
         owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
@@ -184,7 +201,7 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
-        self.reducer.finish(wait=not self.reduce_in_background)
+        self.reducer.finish(wait=not self.overlap.reduce_in_background)
 
     @torch.no_grad()
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
@@ -257,49 +274,50 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self._global_grad_norm = float("inf") if self.compute_grad_norm else None
-            self._prepared = (True, None)
+            self.overlap.prepared = Prepared(overflow=True, combined_scale=None)
             return
         self._global_grad_norm = float(scaled_norm / prev_scale) if self.compute_grad_norm else None
         if self.clip_grad == 0.0 and self.loss_scale == 1.0:
-            self._prepared = (False, None)
+            self.overlap.prepared = Prepared(overflow=False, combined_scale=None)
             return
         combined_scale: float | torch.Tensor = self.loss_scale
         if self.clip_grad > 0.0 and self.compute_grad_norm:
             clip = ((scaled_norm / self.loss_scale) + 1e-6) / self.clip_grad
             combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
-        self._prepared = (False, combined_scale)
+        self.overlap.prepared = Prepared(overflow=False, combined_scale=combined_scale)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """Global norm and overflow check, loss-scale update (:meth:`prepare_step`, unless already run),
         unscale + clip, Adam on owned tensors, gather."""
-        if self._prepared is None:
+        if self.overlap.prepared is None:
             self.prepare_step()
-        (overflow, combined_scale), self._prepared = self._prepared, None
-        if overflow:
+        prepared, self.overlap.prepared = self.overlap.prepared, None
+        assert prepared is not None
+        if prepared.overflow:
             self.zero_grad()
             self.shard.drop_grads()
             return
-        if combined_scale is not None:
-            self.shard.scale_grads(1.0 / combined_scale)
+        if prepared.combined_scale is not None:
+            self.shard.scale_grads(1.0 / prepared.combined_scale)
         self.shard.step()
         self.shard.drop_grads()
-        if self.defer_gather:
-            self.pending_gather = Gather(self.buckets, self.comm, self.reducer.describe)
+        if self.overlap.defer_gather:
+            self.overlap.pending_gather = Gather(self.buckets, self.comm, self.reducer.describe)
         else:
             gather_buckets(self.buckets, self.comm, self.reducer.describe)
 
     def finish_gather(self) -> None:
         """Complete the all-gathers a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
-        if self.pending_gather is not None:
-            self.pending_gather.finish()
-            self.pending_gather = None
+        if self.overlap.pending_gather is not None:
+            self.overlap.pending_gather.finish()
+            self.overlap.pending_gather = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (to None, or to zeros with ``set_to_none=False``), as stock does; the
         owners' reduced gradients are the step's and are dropped by it."""
         self.reducer.drain()
-        self._prepared = None
+        self.overlap.prepared = None
         for param in self.params:
             if set_to_none:
                 param.grad = None

@@ -48,7 +48,7 @@ def main() -> None:
         update = second.shard.step
 
         def observed_update() -> None:
-            gathers_running.append(first.pending_gather is not None and bool(first.pending_gather.in_flight))
+            gathers_running.append(first.overlap.pending_gather is not None and bool(first.overlap.pending_gather.in_flight))
             update()
         second.shard.step = observed_update
     left_in_flight = []  # per backward of a sharded engine: reductions still running when it returned

@@ -1,4 +1,4 @@
-"""Several models on one plan (patent claim 6): initialize_many + step_many with real ranks.
+"""Several models on one plan: initialize_many + step_many with real ranks.
 
 Three TinyGPTs of different sizes, dtypes and stages (fp32 and bf16 at stage 2, fp32 at stage 1)
 train in one loop; each must match training it alone under stock ZeRO of its stage, and step_many

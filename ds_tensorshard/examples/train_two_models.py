@@ -1,4 +1,4 @@
-"""Two GPTs of different sizes trained together on one joint ds_tensorshard plan (patent claim 6).
+"""Two GPTs of different sizes trained together on one joint ds_tensorshard plan.
 
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.train_two_models --steps 20
 
