@@ -116,9 +116,27 @@ def engine(single_rank_world):
     return make
 
 
-def copy_checkpoint(runs, tmp_path):
+@pytest.fixture(scope="module")
+def laid_out_for_two(single_rank_world, tmp_path_factory):
+    """A ds_tensorshard checkpoint with two ranks' files, made in this process: one rank trains and saves,
+    and the converter lays the files out for two ranks (the refusals need a rank 1 to break)."""
+    from ds_tensorshard.convert import convert
+    d = tmp_path_factory.mktemp("two")
+    torch.manual_seed(5)
+    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
+                                        config=ds_config("fp32", "ts", 2, 1))
+    for micro in range(2 * eng.gradient_accumulation_steps()):
+        eng.backward(eng(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(micro))))
+        eng.step()
+    eng.save_checkpoint(str(d / "one"), tag="step3")
+    convert(str(d / "one"), str(d / "c2"), "tensorshard", world_size=2)
+    return d / "c2"
+
+
+def copy_checkpoint(source, tmp_path):
     target = tmp_path / "c2"
-    shutil.copytree(runs["dir"] / "c2", target)
+    shutil.copytree(source, target)
     return target, target / "step3"
 
 
@@ -130,15 +148,15 @@ def assert_refused(eng, load_dir, message):
     assert len(eng.optimizer.optimizer.state) == 0
 
 
-def test_truncated_file_is_refused_by_name(runs, tmp_path, engine):
-    d, tag = copy_checkpoint(runs, tmp_path)
+def test_truncated_file_is_refused_by_name(laid_out_for_two, tmp_path, engine):
+    d, tag = copy_checkpoint(laid_out_for_two, tmp_path)
     victim = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     os.truncate(victim, victim.stat().st_size // 2)
     assert_refused(engine(), d, "zero_pp_rank_1_mp_rank_00_optim_states.pt is truncated or corrupt")
 
 
-def test_corrupt_byte_is_refused_by_name(runs, tmp_path, engine):
-    d, tag = copy_checkpoint(runs, tmp_path)
+def test_corrupt_byte_is_refused_by_name(laid_out_for_two, tmp_path, engine):
+    d, tag = copy_checkpoint(laid_out_for_two, tmp_path)
     victim = tag / "mp_rank_00_model_states.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -146,21 +164,21 @@ def test_corrupt_byte_is_refused_by_name(runs, tmp_path, engine):
     assert_refused(engine(), d, "mp_rank_00_model_states.pt is truncated or corrupt")
 
 
-def test_missing_rank_file_is_refused(runs, tmp_path, engine):
-    d, tag = copy_checkpoint(runs, tmp_path)
+def test_missing_rank_file_is_refused(laid_out_for_two, tmp_path, engine):
+    d, tag = copy_checkpoint(laid_out_for_two, tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     assert_refused(engine(), d, "optimizer file of rank 1 .* is missing")
 
 
-def test_checkpoint_of_another_model_is_refused_naming_the_tensor(runs, tmp_path, engine):
-    d, _ = copy_checkpoint(runs, tmp_path)
+def test_checkpoint_of_another_model_is_refused_naming_the_tensor(laid_out_for_two, tmp_path, engine):
+    d, _ = copy_checkpoint(laid_out_for_two, tmp_path)
     assert_refused(engine(width=48), d, r"tensor '.*' has shape .* in checkpoint .* but .* in the model")
     assert_refused(engine(layers=3), d, r"checkpoint .* lacks tensor 'blocks\.2\.")
     assert_refused(engine(layers=1), d, r"checkpoint .* has tensor 'blocks\.1\..*' that the model does not train")
 
 
-def test_unknown_format_version_is_refused(runs, tmp_path, engine):
-    d, tag = copy_checkpoint(runs, tmp_path)
+def test_unknown_format_version_is_refused(laid_out_for_two, tmp_path, engine):
+    d, tag = copy_checkpoint(laid_out_for_two, tmp_path)
     path = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     content = torch.load(path, weights_only=False)
     content["optimizer_state_dict"][FORMAT_KEY] = 99
@@ -217,12 +235,14 @@ def test_fp32_export_of_tensorshard_checkpoint_and_of_its_zero_conversion_agree(
     assert model.head.weight is model.wte.weight
 
 
-def test_plan_of_a_checkpoint(runs):
-    out = cli("plan", "--checkpoint", runs["dir"] / "c2", "--world-size", "3", "--json")
+@pytest.mark.multiprocess
+def test_plan_of_a_checkpoint(laid_out_for_two):
+    out = cli("plan", "--checkpoint", laid_out_for_two, "--world-size", "3", "--json")
     report = json.loads(out[out.index("["):])
     assert report[0]["tensors"] == 29 and report[0]["total_numel"] == 28288
 
 
+@pytest.mark.multiprocess
 def test_migrate_config_reports_every_key_and_validates(tmp_path):
     src = os.path.join(os.path.dirname(__file__), "..", "configs", "stock_zero2.json")
     stock = json.load(open(src))
@@ -241,6 +261,7 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     assert validate_engine_config(migrated).enabled
 
 
+@pytest.mark.multiprocess
 def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
     for config, message in [({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
                             ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block")]:
@@ -251,6 +272,7 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
         assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments), far
     # above the 64 MiB slack; reading every rank's file, or a second copy of one's own, would break the bound

@@ -79,6 +79,7 @@ def test_payload_is_refused_by_load_checkpoint_and_runs_nothing(saved, tmp_path,
     assert len(engine.optimizer.optimizer.state) == 0 and engine.global_steps == 0
 
 
+@pytest.mark.multiprocess
 def test_payload_is_refused_by_convert_checkpoint(saved, tmp_path):
     marker = tmp_path / "created_by_payload"
     plant(saved / "t" / RANK_FILE, "loss_scaler", CreatesFile(str(marker)))

@@ -11,6 +11,7 @@ from ranks import run_deepspeed_launcher, run_ranks
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
+@pytest.mark.multiprocess
 def test_demo_trains_and_reports_state_bytes_next_to_stock_zero2():
     outputs = run_ranks(["-m", "ds_tensorshard.examples.train_gpt", "--deepspeed_config",
                          os.path.join(ROOT, "configs", "tensorshard_fp32.json"), "--steps", "8"], 2)
@@ -79,6 +80,7 @@ def test_plan_cli_text(capsys):
     assert "world size 3" in out and out.count("  rank ") == 3 and "sent per rank per step" in out
 
 
+@pytest.mark.multiprocess
 def test_two_models_example_runs_under_the_deepspeed_launcher_and_prints_both_plans():
     text = run_deepspeed_launcher(["--module", "ds_tensorshard.examples.train_two_models", "--steps", "2"], 3)
     joint = re.search(r"joint plan, elements per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)

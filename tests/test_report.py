@@ -86,6 +86,7 @@ def test_build_locks_stale_when_nobody_builds_or_too_old(tmp_path):
     assert again["deepspeed_shm_comm"]["stale"] and "no process is building" in again["deepspeed_shm_comm"]["why"]
 
 
+@pytest.mark.multiprocess
 def test_cli_names_a_stale_lock_and_how_to_remove_it(tmp_path):
     lock = tmp_path / "fused_adam" / "lock"
     lock.parent.mkdir()
@@ -141,6 +142,7 @@ def test_auto_values_are_listed_and_left_to_the_framework():
                                   "optimizer.params.weight_decay", "zero_optimization.reduce_bucket_size"]
 
 
+@pytest.mark.multiprocess
 def test_cli_json_for_scripts(tmp_path):
     path = write(tmp_path, {k: v for k, v in GOOD.items() if k != "train_batch_size"})  # fits any world size
     proc = cli("--json", "--config", path, "--world-size", "2", "4", "--preset", "demo")
