@@ -19,7 +19,8 @@ import signal
 import statistics
 import subprocess
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .bench_worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 

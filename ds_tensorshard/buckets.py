@@ -15,8 +15,8 @@ backward order, ``bucket_numel=8``: bucket 0 = [segment 0: b[0:2] | segment 1: a
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -68,11 +68,11 @@ class Bucket:
     params: tuple[torch.nn.Parameter, ...]
     """Every parameter with a piece here: the bucket can start once all of their gradients are final."""
 
-    def segment_of(self, rank: int) -> Optional[Segment]:
+    def segment_of(self, rank: int) -> Segment | None:
         return next((s for s in self.segments if s.owner == rank), None)
 
-    def pack(self, tensor_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
-             dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def pack(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
         (zeros where there is none)."""
         flat = torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)

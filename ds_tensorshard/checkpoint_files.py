@@ -12,7 +12,8 @@ import hashlib
 import os
 import pickle
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler

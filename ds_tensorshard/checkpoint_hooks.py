@@ -20,7 +20,7 @@ import uuid
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from .checkpoint_files import CheckpointError, DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
+from .checkpoint_files import DIGEST_SUFFIX, CheckpointError, load_for_deepspeed, save_atomic, verify, write_text_atomic
 from .checkpoint_sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
 from .config import TensorShardConfigError
 from .rank_file import parse_rank_file_name
@@ -46,8 +46,9 @@ def _remove_stale_rank_files(folder: str, world_size: int) -> None:
 
 def wrap_save_checkpoint(original):
     @functools.wraps(original)
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
+        client_state = {} if client_state is None else client_state
         if not _enabled(self):
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class TensorState:
 
 @dataclass
 class ScalerState:
-    loss_scaler: Optional[dict[str, Any]]  # plain fields (see rank_file.loss_scaler_fields)
+    loss_scaler: dict[str, Any] | None  # plain fields (see rank_file.loss_scaler_fields)
     dynamic_loss_scale: bool
     overflow: bool
     clip_grad: float
@@ -67,7 +68,7 @@ class CheckpointSource:
     group_names: list[list[str]]
     shapes: dict[str, tuple[int, ...]]
     param_groups: list[dict]  # hyper-parameters per group; empty when the checkpoint has none
-    scaler: Optional[ScalerState]
+    scaler: ScalerState | None
     model_states: dict  # the checkpoint's mp_rank_XX_model_states.pt of its model-parallel rank (memory-mapped)
 
     def tensor(self, name: str) -> TensorState:
@@ -300,7 +301,7 @@ class UniversalSource(CheckpointSource):
         if missing is not None:
             raise CheckpointError(f"universal checkpoint {folder} lacks {os.path.join(self.zero, missing, 'fp32.pt')}")
 
-    def _part(self, name: str, key: str) -> Optional[torch.Tensor]:
+    def _part(self, name: str, key: str) -> torch.Tensor | None:
         path = os.path.join(self.zero, name, f"{key}.pt")
         if not os.path.isfile(path):
             return None

@@ -5,7 +5,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .models import PRESET_NAMES
 

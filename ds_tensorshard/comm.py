@@ -10,7 +10,8 @@ Ranks are ranks within the data-parallel group. Every transport satisfies :class
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, NoReturn, Protocol
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed

@@ -5,7 +5,8 @@ optimizer state exists, and raises :class:`TensorShardConfigError` naming the of
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -41,7 +42,7 @@ class TensorShardConfig(BaseModel):
     transport and the ranks that have not arrived; under MPI the job is aborted so that mpiexec returns.
     The default is torch.distributed's own default timeout."""
 
-    bucket_numel: Optional[int] = Field(default=None, gt=0)
+    bucket_numel: int | None = Field(default=None, gt=0)
     """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
     ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else 4,000,000."""
 
@@ -62,14 +63,14 @@ def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
         raise TensorShardConfigError(f"invalid value for '{key}': {first['msg']} (got {first.get('input')!r})") from None
 
 
-def _offload_device(block: Any) -> Optional[str]:
+def _offload_device(block: Any) -> str | None:
     if isinstance(block, Mapping):
         device = block.get("device", "none")
         return None if device in (None, "none") else str(device)
     return None
 
 
-def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any = None) -> Optional[TensorShardConfig]:
+def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any = None) -> TensorShardConfig | None:
     """Check a whole DeepSpeed config for ds_tensorshard; ``None`` when the plugin is not enabled."""
     config = parse_block(param_dict)
     if not config.enabled:

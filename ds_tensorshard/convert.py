@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 from .checkpoint_files import CheckpointError, save_atomic, write_text_atomic
-from .checkpoint_sources import (CHECKPOINT_ID_KEY, MODEL_STATES, CheckpointSource, model_states_name, mp_ranks,
-                                 open_checkpoint)
+from .checkpoint_sources import (
+    CHECKPOINT_ID_KEY,
+    MODEL_STATES,
+    CheckpointSource,
+    model_states_name,
+    mp_ranks,
+    open_checkpoint,
+)
 from .plan import plan_ownership
 from .rank_file import RankFile, rank_file_name, restore_loss_scaler
 
 
-def resolve(checkpoint_dir: str, tag: Optional[str] = None, universal: bool = False) -> tuple[str, str]:
+def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False) -> tuple[str, str]:
     """``(folder, tag)`` of a checkpoint given its save dir (tag from ``latest``) or its tag folder."""
     if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
         return checkpoint_dir, os.path.basename(os.path.normpath(checkpoint_dir))
@@ -34,7 +40,7 @@ def resolve(checkpoint_dir: str, tag: Optional[str] = None, universal: bool = Fa
 Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
 
 
-def fp32_state_dict(source: CheckpointSource, progress: Optional[Progress] = None) -> dict[str, torch.Tensor]:
+def fp32_state_dict(source: CheckpointSource, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
     tensors and buffers from the saved module; tied aliases share their owner's tensor.
     ``progress(done, total)`` is called after each module entry."""
@@ -52,7 +58,7 @@ def fp32_state_dict(source: CheckpointSource, progress: Optional[Progress] = Non
     return out
 
 
-def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: Optional[str]) -> dict:
+def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
     states = {k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY}
     states["dp_world_size"] = world_size
     states["param_shapes"] = [{n: torch.Size(source.shapes[n]) for n in names} for names in source.group_names]
@@ -71,7 +77,7 @@ def _is_bf16(source: CheckpointSource) -> bool:
 
 
 def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0,
-                   progress: Optional[Progress] = None) -> None:
+                   progress: Progress | None = None) -> None:
     """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``).
     ``progress(done, total)`` is called after each tensor read."""
     folder = os.path.join(dst, tag)
@@ -129,7 +135,7 @@ def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[
 
 
 def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0,
-            progress: Optional[Progress] = None) -> None:
+            progress: Progress | None = None) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
     param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks.
     ``progress(done, total)`` is called after each rank's file."""
@@ -176,8 +182,8 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
 
 
-def convert(src: str, dst: str, to: str, tag: Optional[str] = None, world_size: int = 1, stage: int = 2,
-            universal: bool = False, progress: Optional[Progress] = None) -> str:
+def convert(src: str, dst: str, to: str, tag: str | None = None, world_size: int = 1, stage: int = 2,
+            universal: bool = False, progress: Progress | None = None) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
     With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).

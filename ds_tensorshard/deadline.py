@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .comm import Transport
@@ -66,7 +67,7 @@ def wait_with_deadline(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def wait_or_fail(wait: Callable[[], Any], comm: "Transport", where: Callable[[], str]) -> Any:
+def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], str]) -> Any:
     """``wait()``; past the deadline, the diagnosis and the transport's ``fail`` (raise or abort)."""
     try:
         return wait()

@@ -9,7 +9,8 @@ one rank, exactly as an unsharded run updates it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -17,7 +17,8 @@ Example (every rank runs the same lines)::
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import deepspeed
 from deepspeed import comm as dist

@@ -23,29 +23,34 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed import comm as dist
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
-from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from deepspeed.utils import logger
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from .buckets import Bucket, build_buckets
 from .checkpoint_files import CheckpointError
 from .checkpoint_sources import CheckpointSource
 from .comm import TorchComm, Transport
-from .deadline import StepMismatch, wait_or_fail
 from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, describe_zero_mapping
-from .inner_optimizer import (check_supported, keep_owned_state, newton_schulz_work, orthogonalized_params,
-                              step_value, whole_matrix_params)
+from .deadline import StepMismatch, wait_or_fail
 from .gather import Gather, gather_buckets
-from .plan import OwnershipPlan, plan_ownership
+from .inner_optimizer import (
+    check_supported,
+    keep_owned_state,
+    newton_schulz_work,
+    orthogonalized_params,
+    step_value,
+    whole_matrix_params,
+)
+from .plan import Block, OwnershipPlan, plan_ownership
 from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
 from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
-
 
 STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
 JOINT_PLAN_ATTRIBUTE = "_tensorshard_joint_plan"  # set on a model by initialize_many while its engine is built
@@ -368,16 +373,11 @@ class TensorShardOptimizer(ZeROOptimizer):
         for param, master in self.shard.masters.items():
             saved = source.tensor(self.names[param])
             block = self.shard.blocks[param]
-
-            def own(t: torch.Tensor) -> torch.Tensor:
-                """This rank's block of a tensor shaped like the parameter; other state (factors) as saved."""
-                if t.numel() != param.numel():
-                    return t
-                return t.reshape(-1)[block.start:block.stop].view_as(master)
-            master.copy_(own(saved.master))
+            master.copy_(_owned_part(saved.master, param, block, master))
             self.optimizer.state.pop(master, None)
             if load_optimizer_states and saved.state:
-                state = {k: own(v).to(master.device).contiguous() if torch.is_tensor(v) else v
+                state = {k: _owned_part(v, param, block, master).to(master.device).contiguous()
+                         if torch.is_tensor(v) else v
                          for k, v in saved.state.items() if k != "step"}
                 if "step" in saved.state:
                     state["step"] = step_value(self.optimizer, master, saved.state["step"])
@@ -428,6 +428,13 @@ def _check_whole(plan: OwnershipPlan, params: list, names: dict, whole: set, opt
         raise TensorShardConfigError(
             f"tensor '{split}' is split in the shared plan, but {optimizer} updates whole matrices; give the models "
             "of initialize_many 'tensorshard.split_tensors': 'never'")
+
+
+def _owned_part(saved: torch.Tensor, param: torch.nn.Parameter, block: Block, master: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a saved tensor shaped like ``param``; other saved state (factors) as it is."""
+    if saved.numel() != param.numel():
+        return saved
+    return saved.reshape(-1)[block.start:block.stop].view_as(master)
 
 
 def _transport(backend: str, group: Any, timeout_s: float) -> Transport:

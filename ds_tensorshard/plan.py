@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import AbstractSet, Iterable, Literal, Mapping, Sequence, Union
+from typing import Literal
 
 import torch
 
@@ -68,13 +70,13 @@ class OwnershipPlan:
     work_per_rank: tuple[float, ...] = ()
     """Compute cost per rank of the tensors given a ``work`` cost (empty when none was)."""
 
-    def name_of(self, tensor: Union[str, torch.Tensor]) -> str:
+    def name_of(self, tensor: str | torch.Tensor) -> str:
         name = tensor if isinstance(tensor, str) else self.param_names.get(id(tensor))
         if name is None or name not in self.blocks:
             raise KeyError(f"tensor {tensor if isinstance(tensor, str) else tuple(tensor.shape)} is not in this plan")
         return name
 
-    def owner(self, tensor: Union[str, torch.Tensor]) -> int:
+    def owner(self, tensor: str | torch.Tensor) -> int:
         """The owning rank of a tensor owned whole, given by name or as the parameter itself."""
         name = self.name_of(tensor)
         blocks = self.blocks[name]
@@ -83,7 +85,7 @@ class OwnershipPlan:
                              f"{[b.rank for b in blocks]}; see plan.blocks['{name}']")
         return blocks[0].rank
 
-    def blocks_of(self, tensor: Union[str, torch.Tensor]) -> tuple[Block, ...]:
+    def blocks_of(self, tensor: str | torch.Tensor) -> tuple[Block, ...]:
         return self.blocks[self.name_of(tensor)]
 
     @property
@@ -117,7 +119,7 @@ class OwnershipPlan:
         return max(max(self.numels.values(), default=0), ideal) / ideal if ideal else 1.0
 
 
-TensorSpec = tuple[str, Union[int, Sequence[int]]]
+TensorSpec = tuple[str, int | Sequence[int]]
 
 
 def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: Mapping[int, str] | None = None,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 ENV = "DS_TENSORSHARD_PROGRESS"
 
@@ -36,14 +37,14 @@ class _Silent:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "_Silent":
+    def __enter__(self) -> _Silent:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         pass
 
 
-def bar(total: Optional[int], desc: str, unit: str = "it", show: Optional[bool] = None) -> Any:
+def bar(total: int | None, desc: str, unit: str = "it", show: bool | None = None) -> Any:
     """A tqdm bar on a terminal (on stderr when that is a terminal too, else on stdout), else a silent one."""
     if not (interactive() if show is None else show):
         return _Silent()

@@ -8,8 +8,9 @@ whole and keyed by parameter name, so any world size can read them.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScalerBase
@@ -26,7 +27,7 @@ def rank_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def parse_rank_file_name(entry: str) -> Optional[tuple[int, int]]:
+def parse_rank_file_name(entry: str) -> tuple[int, int] | None:
     """``(dp_rank, mp_rank)`` of an optimizer file name, or None for any other file."""
     match = _NAME.match(entry)
     return (int(match.group(2)), int(match.group(3))) if match else None
@@ -55,7 +56,7 @@ def restore_loss_scaler(fields: Mapping[str, Any], dtype: torch.dtype) -> LossSc
 class RankFile:
     """What one rank saves: the tensors it owns, and what every rank's file repeats."""
 
-    checkpoint_id: Optional[str]
+    checkpoint_id: str | None
     world_size: int
     rank: int
     tensors: dict[str, dict[str, Any]]
@@ -83,7 +84,7 @@ class RankFile:
         return FORMAT_KEY in payload
 
     @classmethod
-    def from_dict(cls, payload: Mapping[str, Any], path: str) -> "RankFile":
+    def from_dict(cls, payload: Mapping[str, Any], path: str) -> RankFile:
         version = payload.get(FORMAT_KEY)
         if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
             raise CheckpointError(f"{path} has ds_tensorshard format version {version!r}; this ds_tensorshard "

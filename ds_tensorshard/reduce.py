@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class Averaging:
     comm_dtype: torch.dtype | None = None
 
     @classmethod
-    def like_deepspeed(cls, engine: Any, world_size: int) -> "Averaging":
+    def like_deepspeed(cls, engine: Any, world_size: int) -> Averaging:
         """``world_size``: the reducing group's (sequence x data parallel); the mean is over data-parallel
         ranks only, as stock divides by world / sequence_parallel_size (sequence shards add up)."""
         comm_dtype = engine._config.communication_data_type

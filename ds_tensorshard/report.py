@@ -17,7 +17,8 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 MPI_PROBE_TIMEOUT_S = 60
 STALE_LOCK_AGE_S = 1800  # no JIT build of a DeepSpeed op takes this long, even on 2 cores
@@ -77,7 +78,7 @@ def mpi_info(timeout_s: float = MPI_PROBE_TIMEOUT_S) -> dict[str, Any]:
     return {"error": f"the MPI probe exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"}
 
 
-def _cuda_from_build(library_text: str) -> Optional[bool]:
+def _cuda_from_build(library_text: str) -> bool | None:
     """CUDA support from how the library was built, where mpi4py cannot query it: MPICH prints its configure
     line in its version text; Open MPI's ``ompi_info`` reports ``opal_built_with_cuda_support``."""
     if library_text.startswith("MPICH"):
@@ -94,7 +95,7 @@ def _cuda_from_build(library_text: str) -> Optional[bool]:
     return None
 
 
-def launchers() -> dict[str, Optional[str]]:
+def launchers() -> dict[str, str | None]:
     """MPI and DeepSpeed launchers on PATH (``ompi_info`` is what ``deepspeed --launcher openmpi`` looks for)."""
     return {name: shutil.which(name) for name in ("mpiexec", "mpirun", "ompi_info", "deepspeed", "srun")}
 
@@ -167,7 +168,7 @@ def _processes_in(folder: str) -> list[int]:
     return found
 
 
-def build_locks(roots: Optional[list[str]] = None, now: Optional[float] = None) -> list[dict[str, Any]]:
+def build_locks(roots: list[str] | None = None, now: float | None = None) -> list[dict[str, Any]]:
     """Every ``lock`` file in an extension build folder. torch writes it when a build starts and removes it
     when the build ends; a process killed mid-build leaves it behind and every later load of that op waits
     for it forever. A lock is stale when no process works in its folder (after a short grace) or when it is
@@ -216,7 +217,7 @@ def load_config(path: str) -> dict[str, Any]:
     return config
 
 
-def check_config(config: Mapping[str, Any], world_size: Optional[int] = None) -> dict[str, Any]:
+def check_config(config: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
     """Would ``deepspeed.initialize`` accept ``config``? First DeepSpeed's own parse (DeepSpeedConfig), then
     ds_tensorshard's checks (:func:`.config.validate_engine_config`), each reported with its message.
     ``"auto"`` values are the framework's (HF Trainer, Accelerate) to fill; they are listed and left out.
@@ -264,8 +265,8 @@ def check_config(config: Mapping[str, Any], world_size: Optional[int] = None) ->
 
 
 # -- assembling and printing ------------------------------------------------------------------
-def gather(config_path: Optional[str] = None, world_sizes: Optional[list[int]] = None,
-           shapes: Any = None, split: str = "auto", bucket: Optional[int] = None) -> dict[str, Any]:
+def gather(config_path: str | None = None, world_sizes: list[int] | None = None,
+           shapes: Any = None, split: str = "auto", bucket: int | None = None) -> dict[str, Any]:
     """Everything the report shows, as one JSON-able dict."""
     report: dict[str, Any] = {"versions": versions(), "mpi": mpi_info(), "launchers": launchers(),
                               "accelerator": accelerator(), "fused_adam": fused_adam(), "build_locks": build_locks()}

@@ -9,7 +9,7 @@ optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

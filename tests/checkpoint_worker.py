@@ -21,13 +21,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
+from optimizers import setup  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
 from ds_tensorshard.checkpoint_files import CheckpointError  # noqa: E402
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import SEQ, VOCAB, ds_config, param_groups  # noqa: E402
-from optimizers import setup  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
 

@@ -8,7 +8,7 @@ norms within a few ulps, every parameter within one peak-lr step, and the mean p
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,9 +35,9 @@ def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str, loos
     for name, value in reference["params"].items():
         a = ours["params"][name]
         if loose and name in loose:
-            torch.testing.assert_close(a, value, rtol=0, atol=loose[name], msg=lambda m: f"{where} {name}: {m}")
+            torch.testing.assert_close(a, value, rtol=0, atol=loose[name], msg=lambda m, name=name: f"{where} {name}: {m}")
             continue
-        torch.testing.assert_close(a, value, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m: f"{where} {name}: {m}")
+        torch.testing.assert_close(a, value, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m, name=name: f"{where} {name}: {m}")
         if value.numel():
             assert (a - value).abs().mean() <= tol["mean"], f"{where} {name}: mean |diff| {(a - value).abs().mean()}"
 

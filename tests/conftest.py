@@ -12,7 +12,6 @@ import pytest  # noqa: E402
 def single_rank_world():
     """torch.distributed in the test process itself: one gloo rank."""
     import deepspeed
-
     from ranks import free_port
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))

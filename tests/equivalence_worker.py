@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))

@@ -14,11 +14,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 # scenario -> (dtype, stage, gradient accumulation steps, optimizer steps, top-level keys, zero_optimization keys)
 SCENARIOS = {

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
+from equivalence_worker import SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 STEPS, FAULTY_STEP = 6, 2
 

@@ -13,13 +13,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
+from compare import TOLERANCE  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
+from equivalence_worker import GAS, SEQ, STEPS, VOCAB, batch, ds_config, param_groups  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from compare import TOLERANCE  # noqa: E402
-from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 # (dtype, ZeRO stage, shape): stage 1 reduces only at the accumulation boundary, stage 2 every micro-step
 MODELS = [("fp32", 2, dict(width=32, layers=2)), ("bf16", 2, dict(width=48, layers=1)),
@@ -88,7 +88,7 @@ def assert_each_model_matches_stock(joint: dict, stock: dict) -> None:
                                    rtol=0, atol=tol["loss"])
         for name, value in stock["params"][index].items():
             torch.testing.assert_close(joint["params"][index][name], value, rtol=tol["rtol"], atol=tol["atol"],
-                                       msg=lambda m: f"model {index} {name}: {m}")
+                                       msg=lambda m, index=index, name=name: f"model {index} {name}: {m}")
 
 
 def assert_overlapped(joint: dict) -> None:

@@ -13,12 +13,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
+from equivalence_worker import GAS, SEQ, STEPS, VOCAB, batch, ds_config, param_groups  # noqa: E402
+from optimizers import setup  # noqa: E402
+from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import GAS, STEPS, SEQ, VOCAB, batch, ds_config, param_groups  # noqa: E402
-from optimizers import setup  # noqa: E402
-from tiny_gpt import TinyGPT  # noqa: E402
 
 
 def state_numel(optimizer) -> int:

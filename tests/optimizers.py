@@ -7,7 +7,7 @@ update by a trust ratio ||w|| / ||update|| computed over the whole tensor.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -74,7 +74,7 @@ CONFIG_TYPES = {  # name -> (DeepSpeed optimizer.type, params)
 CLIENT_LR = {"lion": 1e-3, "lamb": 1e-2, "torchmuon": 1e-2}
 
 
-def setup(name: str, model: torch.nn.Module, config: dict) -> Optional[Callable]:
+def setup(name: str, model: torch.nn.Module, config: dict) -> Callable | None:
     """Set ``config`` up for optimizer ``name`` (tagging the model for Muon, freezing its vectors for torch's
     Muon); returns a client optimizer factory for the optimizers a config cannot name, else None. The
     scheduler warms every group up to the optimizer's lr."""

@@ -18,11 +18,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
+from equivalence_worker import SEQ, VOCAB, ds_config  # noqa: E402
+from tiny_gpt import Block  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import SEQ, VOCAB, ds_config  # noqa: E402
-from tiny_gpt import Block  # noqa: E402
 
 GLOBAL_BATCH, MICRO, STEPS, WIDTH, STAGES = 12, 2, 6, 32, 2
 

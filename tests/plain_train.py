@@ -4,11 +4,10 @@ Run through ``python -m ds_tensorshard`` the config's tensorshard block takes ef
 ``RESULT`` line per rank.
 """
 import argparse
+import gc
 import hashlib
 import json
 import os
-
-import gc
 
 import deepspeed
 import torch
@@ -32,7 +31,7 @@ else:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 initial = [p.detach().clone() for p in model.parameters()]
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-for step in range(args.steps):
+for _ in range(args.steps):
     x = torch.randn(2, 8)
     loss = engine(x).pow(2).mean()
     engine.backward(loss)

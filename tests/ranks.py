@@ -11,7 +11,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 TIMEOUT_S = 600
 

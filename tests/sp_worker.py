@@ -18,10 +18,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed  # noqa: E402
 from deepspeed.sequence.layer import DistributedAttention  # noqa: E402
+from equivalence_worker import ds_config  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
 from ds_tensorshard.comm import close_process_group  # noqa: E402
-from equivalence_worker import ds_config  # noqa: E402
 
 VOCAB, SEQ, WIDTH, HEADS, MICRO, GAS, STEPS = 64, 16, 32, 4, 2, 2, 5
 

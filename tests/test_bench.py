@@ -8,9 +8,7 @@ import sys
 import time
 
 import pytest
-
 from ranks import TIMEOUT_S, kill_group, launcher_env, run_in_group
-
 
 TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
 

@@ -14,13 +14,13 @@ import sys
 import deepspeed
 import pytest
 import torch
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+from ranks import run_in_group, run_ranks, run_until_one_dies
+from tiny_gpt import TinyGPT
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
 from ds_tensorshard.rank_file import FORMAT_KEY
-from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
-from ranks import run_in_group, run_ranks, run_until_one_dies
-from tiny_gpt import TinyGPT
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
 FP32 = dict(loss=1e-5, param=1e-5)

@@ -13,13 +13,13 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
+from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+from ranks import run_in_group
+from tiny_gpt import TinyGPT
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
 from ds_tensorshard.rank_file import RankFile
-from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
-from ranks import run_in_group
-from tiny_gpt import TinyGPT
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

@@ -8,7 +8,6 @@ import ds_tensorshard
 from ds_tensorshard.config import TensorShardConfigError
 from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
 
-
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 

@@ -4,9 +4,9 @@ import os
 import re
 
 import pytest
+from ranks import run_deepspeed_launcher, run_ranks
 
 from ds_tensorshard.cli import main as cli_main
-from ranks import run_deepspeed_launcher, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-
 from compare import assert_run_matches
 from equivalence_worker import GAS, STEPS
 from ranks import run_ranks

@@ -15,12 +15,12 @@ import sys
 import deepspeed
 import pytest
 import torch
-
-import ds_tensorshard  # noqa: F401
 from compare import assert_run_matches
-from ds_tensorshard.config import TensorShardConfigError
 from feature_worker import SCENARIOS
 from ranks import run_in_group, run_ranks
+
+import ds_tensorshard  # noqa: F401
+from ds_tensorshard.config import TensorShardConfigError
 
 HERE = os.path.dirname(__file__)
 WORLD = 3

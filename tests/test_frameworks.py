@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-
 from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
 
 pytestmark = pytest.mark.frameworks
@@ -53,7 +52,7 @@ def assert_same_run(ours: dict, reference: dict, where: str, steps=None) -> tupl
     param = 0.0
     for name, value in reference["params"].items():
         torch.testing.assert_close(ours["params"][name], value, rtol=FP32_PARAM, atol=FP32_PARAM,
-                                   msg=lambda m: f"{where} {name}: {m}")
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
         param = max(param, float((ours["params"][name] - value).abs().max()))
     record(where, loss, param)
     return loss, param

@@ -3,7 +3,6 @@ import os
 
 import pytest
 import torch
-
 from equivalence_worker import GAS, STEPS
 from ranks import run_ranks
 

@@ -14,7 +14,6 @@ import subprocess
 
 import pytest
 import torch
-
 from compare import assert_run_matches
 from ranks import TIMEOUT_S, free_port, launcher_env
 from venvs import SPECS, RegistryUnreachable, VenvSpec, build_fused_adam, ensure, venv_env

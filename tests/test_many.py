@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-
 from many_worker import MODELS, assert_each_model_matches_stock, assert_overlapped
 from ranks import run_ranks
 

@@ -4,9 +4,9 @@ import os
 import sys
 
 import pytest
+from ranks import TIMEOUT_S, free_port, rank_env, run_deepspeed_launcher, run_in_group, run_ranks
 
 from ds_tensorshard.__main__ import split_argv
-from ranks import TIMEOUT_S, free_port, rank_env, run_deepspeed_launcher, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "plain_train.py")

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from compare import assert_run_matches
 from many_worker import assert_each_model_matches_stock, assert_overlapped
 from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks

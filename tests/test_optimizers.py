@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from compare import TOLERANCE, assert_run_matches
 from optimizers import ELEMENTWISE, WHOLE_MATRIX
 from ranks import run_in_group, run_ranks
@@ -60,7 +59,7 @@ def _close(ours: dict, reference: dict, tol: dict, where: str) -> None:
                                atol=tol["loss"], msg=lambda m: f"{where} losses: {m}")
     for name, value in reference["params"].items():
         torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=tol["param"],
-                                   msg=lambda m: f"{where} {name}: {m}")
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
 @pytest.mark.parametrize("name", WHOLE_MATRIX)

@@ -14,7 +14,6 @@ import time
 
 import deepspeed
 import torch
-
 from ranks import TIMEOUT_S, free_port, launcher_env
 from tiny_gpt import TinyGPT
 

@@ -15,7 +15,6 @@ import sys
 import time
 
 import pytest
-
 from ranks import free_port, launcher_env, rank_env
 
 HERE = os.path.dirname(__file__)
@@ -128,7 +127,6 @@ def test_killed_rank_ends_the_job_promptly_under_both_launchers(tmp_path):
 
 def test_save_that_fails_on_one_rank_fails_everywhere_and_loses_nothing(tmp_path):
     import torch
-
     from ranks import run_ranks
     worker = os.path.join(HERE, "checkpoint_worker.py")
     save = tmp_path / "c"

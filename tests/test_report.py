@@ -10,12 +10,12 @@ import time
 import deepspeed
 import pytest
 import torch
+from ranks import launcher_env
 
 from ds_tensorshard import report
 from ds_tensorshard.config import TensorShardConfigError
 from ds_tensorshard.models import preset_shapes
 from ds_tensorshard.plan_report import plan_report
-from ranks import launcher_env
 
 CLI = os.path.join(os.path.dirname(sys.executable), "ds-tensorshard")
 GOOD = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from compare import assert_cases_match
 from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 

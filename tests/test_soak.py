@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from ranks import free_port, launcher_env, run_ranks
 
 pytestmark = pytest.mark.soak

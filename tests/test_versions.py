@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-
 from compare import assert_run_matches
 from ranks import TIMEOUT_S, free_port, rank_env
 from venvs import DEEPSPEED_RELEASES, SPECS, RegistryUnreachable, build_fused_adam, ensure, venv_env
@@ -133,5 +132,5 @@ def test_equivalence_and_checkpoints_with_the_compat_shim(release, tmp_path):
             assert abs(loss - ref["losses"][step]) <= FP32["loss"], (release, name, step)
         for key, value in ref["params"].items():
             torch.testing.assert_close(ours["params"][key], value, rtol=0, atol=FP32["param"],
-                                       msg=lambda m: f"deepspeed {release} {name} {key}: {m}")
+                                       msg=lambda m, name=name, key=key: f"deepspeed {release} {name} {key}: {m}")
     record(release, check="equivalence and checkpoints, shimmed", ok=True, largest_loss_difference=worst)

@@ -16,11 +16,11 @@ import time
 
 import torch
 
+from ds_tensorshard.buckets import build_buckets
 from ds_tensorshard.comm import Pending
 from ds_tensorshard.gather import Gather
 from ds_tensorshard.plan import plan_ownership
 from ds_tensorshard.reduce import Averaging, OverlappedReducer
-from ds_tensorshard.buckets import build_buckets
 
 
 class InstantComm:

@@ -72,9 +72,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DeepSpeedStrategy
     saver = ModelCheckpoint(dirpath=args.out, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
                             every_n_epochs=1, save_on_train_epoch_end=True)
     module = build_module()
