@@ -1,6 +1,6 @@
 """One rank of one benchmark configuration (started by ``ds-tensorshard bench`` under mpiexec).
 
-Trains the GPT of :mod:`.models` for ``--steps`` timed steps after ``--warmup`` steps and
+Trains the GPT of :mod:`ds_tensorshard.models` for ``--steps`` timed steps after ``--warmup`` steps and
 writes ``OUT/CONFIG.rankR.json``: per-step wall times split into forward+backward, reduce (time
 spent after backward finishing gradient reduction; reduction overlapped with backward counts in
 forward+backward), optimizer and gather, plus peak RSS, optimizer-state bytes and the bytes this
@@ -58,7 +58,7 @@ def _count_torch_collectives() -> None:
 
 
 def _count_mpi_collectives() -> None:
-    from . import mpi_comm
+    from .. import mpi_comm
     for name, kind in (("start_reduce", "reduce"), ("start_broadcast", "broadcast"), ("all_reduce_sum", "all_reduce")):
         original = getattr(mpi_comm.MpiComm, name)
 

@@ -3,7 +3,7 @@ and ds_tensorshard (torch and mpi backends), side by side on the same model, dat
 ``--configs two_...``, two models trained in the same processes (stock ZeRO-2 each; ds_tensorshard with a
 plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
 
-Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.bench_worker` (a fresh set of
+Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
 processes, so peak RSS is its own); this module launches them one after another, then writes
 ``results.json``, ``results.md`` (table + ratio matrix) and ``results.png`` into ``--out``.
 """
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .bench_worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
+from .worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 
 LABELS = {"stage0": "stock stage 0", "zero1": "stock ZeRO-1", "zero2": "stock ZeRO-2",
           "ddp_zero": "DDP + ZeroRedundancyOptimizer", "ts_torch": "ds_tensorshard (torch)",
@@ -45,7 +45,7 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
         raise SystemExit("ds-tensorshard bench launches its ranks with mpiexec: pip install 'ds_tensorshard[mpi]'")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench_worker", config, raw_dir,
+    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench.worker", config, raw_dir,
            "--port", str(_free_port())]
     for name in RUN_ARGUMENTS:
         if getattr(args, name) is not None:
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from .progress import bar as progress_bar
+    from ..progress import bar as progress_bar
     results = []
     with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
         for config in args.configs:
