@@ -1,4 +1,5 @@
 """ds_tensorshard: tensor-granular ZeRO-1/2 for DeepSpeed. ``import ds_tensorshard`` registers it."""
+
 import deepspeed as _deepspeed
 
 from .versions import check_deepspeed_version
@@ -14,5 +15,14 @@ from .plan import OwnershipPlan, plan_ownership  # noqa: E402
 install()
 
 __version__ = "0.1.0"
-__all__ = ["TensorShardConfig", "TensorShardConfigError", "TensorShardOptimizer", "OwnershipPlan",
-           "plan_ownership", "install", "installed", "initialize_many", "step_many"]
+__all__ = [
+    "TensorShardConfig",
+    "TensorShardConfigError",
+    "TensorShardOptimizer",
+    "OwnershipPlan",
+    "plan_ownership",
+    "install",
+    "installed",
+    "initialize_many",
+    "step_many",
+]

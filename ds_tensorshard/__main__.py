@@ -4,6 +4,7 @@ Also works as ``deepspeed --module ds_tensorshard SCRIPT ...`` and ``mpiexec -n 
 ds_tensorshard SCRIPT ...``. The deepspeed launcher puts ``--local_rank=N`` before SCRIPT; it is
 handed on to the script as its first argument, as a direct launch would have done.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,6 +31,7 @@ def split_argv(argv: list[str]) -> tuple[str, list[str]]:
 def main() -> None:
     script, args = split_argv(sys.argv[1:])
     import ds_tensorshard  # noqa: F401  (registers the plugin before the script's deepspeed.initialize)
+
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -13,6 +13,7 @@ Worked example: tensors ``a`` (6 elements, rank 1), ``b`` (4, rank 0), ``c`` (5,
 backward order, ``bucket_numel=8``: bucket 0 = [segment 0: b[0:2] | segment 1: a[0:6]], bucket 1 =
 [segment 0: b[2:4] | segment 1: c[0:5]] (7 elements).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,7 @@ class Piece:
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The same elements of a contiguous tensor shaped like the parameter (its data or gradient), as a view."""
-        return tensor.view(-1)[self.start:self.stop]
+        return tensor.view(-1)[self.start : self.stop]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Segment:
         """``(piece, its part of flat_segment)`` for each piece, in order."""
         position = 0
         for piece in self.pieces:
-            yield piece, flat_segment[position:position + piece.numel]
+            yield piece, flat_segment[position : position + piece.numel]
             position += piece.numel
 
 
@@ -71,13 +72,14 @@ class Bucket:
     def segment_of(self, rank: int) -> Segment | None:
         return next((s for s in self.segments if s.owner == rank), None)
 
-    def pack(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+    def pack(
+        self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
         (zeros where there is none)."""
         flat = torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
         for segment in self.segments:
-            for piece, view in segment.views(flat[segment.offset:segment.offset + segment.numel]):
+            for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):
                 source = tensor_of(piece.param)
                 if source is None:
                     view.zero_()
@@ -98,8 +100,9 @@ class _Unit:
     stop: int
 
 
-def build_buckets(params: Sequence[torch.nn.Parameter], blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]],
-                  bucket_numel: int) -> list[Bucket]:
+def build_buckets(
+    params: Sequence[torch.nn.Parameter], blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]], bucket_numel: int
+) -> list[Bucket]:
     """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype."""
     streams: dict[torch.dtype, list[_Unit]] = {}
     for param in params:

@@ -6,6 +6,7 @@ A file is written to a temporary name, fsynced, then renamed over the target; it
 DeepSpeed data types they hold (:data:`DEEPSPEED_TYPES`). Anything else is refused, naming the
 file and the type, before any of it is built.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,6 +65,7 @@ def write_text_atomic(path: str, text: str) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
+
     _replace_durably(write, path)
 
 
@@ -82,15 +84,19 @@ def verify(path: str) -> None:
         with open(digest_path) as f:
             expected = f.read().strip()
         if file_digest(path) != expected:
-            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (SHA-256 differs from {digest_path})")
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or corrupt (SHA-256 differs from {digest_path})"
+            )
 
 
 def _refusal(path: str, err: Exception) -> CheckpointError:
     found = re.search(r"GLOBAL ([\w.]+)|(?:got|for) <class '([\w.]+)'>", str(err))
     what = next((g for g in found.groups() if g), None) if found else None
-    return CheckpointError(f"refusing to load checkpoint file {path}: it refers to {what or 'an unknown type'}, "
-                           "which is not a tensor, a plain Python value or one of DeepSpeed's checkpoint types "
-                           "(unpickling it could run code from the file)")
+    return CheckpointError(
+        f"refusing to load checkpoint file {path}: it refers to {what or 'an unknown type'}, "
+        "which is not a tensor, a plain Python value or one of DeepSpeed's checkpoint types "
+        "(unpickling it could run code from the file)"
+    )
 
 
 def _torch_load(path: str, mmap: bool) -> Any:

@@ -10,6 +10,7 @@ checked against the model *before* DeepSpeed touches any state; then DeepSpeed l
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
 tensors, whatever world size saved them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,14 +47,15 @@ def _remove_stale_rank_files(folder: str, world_size: int) -> None:
 
 def wrap_save_checkpoint(original):
     @functools.wraps(original)
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
-                        exclude_frozen_parameters=False):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         client_state = {} if client_state is None else client_state
         if not _enabled(self):
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:
-            raise TensorShardConfigError(f"checkpoint engine {type(self.checkpoint_engine).__name__} is not supported "
-                                         "by ds_tensorshard; use DeepSpeed's default (torch) checkpoint engine")
+            raise TensorShardConfigError(
+                f"checkpoint engine {type(self.checkpoint_engine).__name__} is not supported "
+                "by ds_tensorshard; use DeepSpeed's default (torch) checkpoint engine"
+            )
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         self.optimizer.checkpoint_id = _shared_checkpoint_id()
         final = os.path.join(save_dir, tag)
@@ -72,8 +74,14 @@ def wrap_save_checkpoint(original):
 
         self.checkpoint_engine.save = save  # instance attribute: this save only
         try:
-            original(self, save_dir, tag, {**client_state, CHECKPOINT_ID_KEY: self.optimizer.checkpoint_id},
-                     False, exclude_frozen_parameters)
+            original(
+                self,
+                save_dir,
+                tag,
+                {**client_state, CHECKPOINT_ID_KEY: self.optimizer.checkpoint_id},
+                False,
+                exclude_frozen_parameters,
+            )
         finally:
             del self.checkpoint_engine.save
         reports: list = [None] * dist.get_world_size()
@@ -91,10 +99,13 @@ def wrap_save_checkpoint(original):
         dist.barrier()
         if failed:
             rank, failure = failed[0]
-            raise CheckpointError(f"saving checkpoint {final} failed on rank {rank} ({failure})"
-                                  + (f" and {len(failed) - 1} more file(s)" if len(failed) > 1 else "")
-                                  + "; nothing of it was kept and 'latest' was not moved")
+            raise CheckpointError(
+                f"saving checkpoint {final} failed on rank {rank} ({failure})"
+                + (f" and {len(failed) - 1} more file(s)" if len(failed) > 1 else "")
+                + "; nothing of it was kept and 'latest' was not moved"
+            )
         return True
+
     return save_checkpoint
 
 
@@ -136,10 +147,27 @@ def _resolve_tag(load_dir: str, tag, universal: bool):
 
 def wrap_load_checkpoint(original):
     @functools.wraps(original)
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        call = functools.partial(original, self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only, custom_load_fn)
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+    ):
+        call = functools.partial(
+            original,
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            custom_load_fn,
+        )
         if not _enabled(self):
             return call()
         universal = self.load_universal_checkpoint()
@@ -151,20 +179,30 @@ def wrap_load_checkpoint(original):
             verify(os.path.join(load_dir, resolved, model_states_name(self.checkpoint_mp_rank)))
             source = None
         else:
-            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal,
-                                     mp_rank=self.checkpoint_mp_rank)
+            source = open_checkpoint(
+                os.path.join(load_dir, resolved), universal=universal, mp_rank=self.checkpoint_mp_rank
+            )
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self._tensorshard_source = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
-            load_path, client_state = original(self, load_dir, resolved, load_module_strict, load_optimizer_states,
-                                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+            load_path, client_state = original(
+                self,
+                load_dir,
+                resolved,
+                load_module_strict,
+                load_optimizer_states,
+                load_lr_scheduler_states,
+                load_module_only,
+                custom_load_fn,
+            )
         finally:
             self._tensorshard_source = None
             del self.checkpoint_engine.load
         if client_state:
             client_state.pop(CHECKPOINT_ID_KEY, None)
         return load_path, client_state
+
     return load_checkpoint
 
 
@@ -175,9 +213,11 @@ def wrap_load_zero_checkpoint(original):
             return original(self, load_dir, tag, load_optimizer_states)
         source = getattr(self, "_tensorshard_source", None)
         if source is None:
-            source = open_checkpoint(os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(),
-                                     mp_rank=self.checkpoint_mp_rank)
+            source = open_checkpoint(
+                os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=self.checkpoint_mp_rank
+            )
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self.optimizer.load_from_source(source, load_optimizer_states)
         return True
+
     return _load_zero_checkpoint

@@ -4,6 +4,7 @@ Each reader checks its files when opened (present, intact, a known format and ve
 and then hands out one tensor's optimizer state at a time, re-reading memory-mapped files so that
 no more than one tensor's state is held beyond what the caller keeps.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,9 +55,12 @@ class ScalerState:
 def _scaler_state(state: Mapping[str, Any]) -> ScalerState:
     """Loss-scaler facts of a stock ZeRO or universal optimizer file."""
     scaler = state.get("loss_scaler")
-    return ScalerState(loss_scaler_fields(scaler) if scaler is not None else None,
-                       bool(state.get("dynamic_loss_scale")), bool(state.get("overflow")),
-                       float(state.get("clip_grad", 0.0)))
+    return ScalerState(
+        loss_scaler_fields(scaler) if scaler is not None else None,
+        bool(state.get("dynamic_loss_scale")),
+        bool(state.get("overflow")),
+        float(state.get("clip_grad", 0.0)),
+    )
 
 
 class CheckpointSource:
@@ -78,24 +82,33 @@ class CheckpointSource:
         """Refuse a checkpoint of another model: missing, extra or reshaped tensors, other param groups."""
         missing = [n for n in shapes if n not in self.shapes]
         if missing:
-            raise CheckpointError(f"checkpoint {self.folder} lacks tensor '{missing[0]}' of the model"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise CheckpointError(
+                f"checkpoint {self.folder} lacks tensor '{missing[0]}' of the model"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
         extra = [n for n in self.shapes if n not in shapes]
         if extra:
-            raise CheckpointError(f"checkpoint {self.folder} has tensor '{extra[0]}' that the model does not train"
-                                  + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+            raise CheckpointError(
+                f"checkpoint {self.folder} has tensor '{extra[0]}' that the model does not train"
+                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            )
         for name, shape in shapes.items():
             if tuple(self.shapes[name]) != tuple(shape):
-                raise CheckpointError(f"tensor '{name}' has shape {tuple(self.shapes[name])} in checkpoint "
-                                      f"{self.folder} but {tuple(shape)} in the model")
+                raise CheckpointError(
+                    f"tensor '{name}' has shape {tuple(self.shapes[name])} in checkpoint "
+                    f"{self.folder} but {tuple(shape)} in the model"
+                )
         if len(self.group_names) != len(group_names):
-            raise CheckpointError(f"checkpoint {self.folder} has {len(self.group_names)} param groups, "
-                                  f"the optimizer {len(group_names)}")
+            raise CheckpointError(
+                f"checkpoint {self.folder} has {len(self.group_names)} param groups, the optimizer {len(group_names)}"
+            )
         for g, (theirs, ours) in enumerate(zip(self.group_names, group_names)):
             if set(theirs) != set(ours):
                 moved = sorted(set(theirs) ^ set(ours))[0]
-                raise CheckpointError(f"tensor '{moved}' is in another param group in checkpoint {self.folder} "
-                                      f"than in the optimizer (group {g})")
+                raise CheckpointError(
+                    f"tensor '{moved}' is in another param group in checkpoint {self.folder} "
+                    f"than in the optimizer (group {g})"
+                )
 
 
 def _hyper(group: Mapping[str, Any]) -> dict:
@@ -105,8 +118,10 @@ def _hyper(group: Mapping[str, Any]) -> dict:
 def _model_states(folder: str, mp_rank: int) -> dict:
     path = os.path.join(folder, model_states_name(mp_rank))
     if mp_rank and not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {folder} has no {model_states_name(mp_rank)}: it was saved with "
-                              f"{len(mp_ranks(folder))} model-parallel rank(s); resume with the same tensor-parallel size")
+        raise CheckpointError(
+            f"checkpoint {folder} has no {model_states_name(mp_rank)}: it was saved with "
+            f"{len(mp_ranks(folder))} model-parallel rank(s); resume with the same tensor-parallel size"
+        )
     files.verify(path)
     return files.load(path)
 
@@ -119,9 +134,11 @@ def _rank_files(folder: str, world_size: int, mp_rank: int) -> list[str]:
             found.setdefault(ranks[0], os.path.join(folder, entry))
     for rank in range(world_size):
         if rank not in found:
-            raise CheckpointError(f"checkpoint {folder} was saved by {world_size} ranks but the optimizer file of "
-                                  f"rank {rank} ({rank_file_name(rank, bf16=False, mp_rank=mp_rank)}, or with the "
-                                  "bf16_ prefix) is missing")
+            raise CheckpointError(
+                f"checkpoint {folder} was saved by {world_size} ranks but the optimizer file of "
+                f"rank {rank} ({rank_file_name(rank, bf16=False, mp_rank=mp_rank)}, or with the "
+                "bf16_ prefix) is missing"
+            )
     return [found[r] for r in range(world_size)]
 
 
@@ -135,8 +152,10 @@ def open_checkpoint(folder: str, universal: bool = False, mp_rank: int = 0) -> C
 def _open(folder: str, model_states: dict, universal: bool, mp_rank: int) -> CheckpointSource:
     if universal:
         if len(mp_ranks(folder)) > 1:
-            raise CheckpointError(f"universal checkpoint {folder} has several model-parallel ranks; ds_tensorshard "
-                                  "loads universal checkpoints without tensor parallelism only")
+            raise CheckpointError(
+                f"universal checkpoint {folder} has several model-parallel ranks; ds_tensorshard "
+                "loads universal checkpoints without tensor parallelism only"
+            )
         source: CheckpointSource = UniversalSource(folder, model_states)
     else:
         world_size = int(model_states.get("dp_world_size", 1))
@@ -168,8 +187,10 @@ class TensorShardSource(CheckpointSource):
         for rank, path in enumerate(paths):
             saved = self._read(path)
             if saved.checkpoint_id != expected_id:
-                raise CheckpointError(f"{path} comes from another save than {states_name} in {folder} "
-                                      "(an interrupted save); load an earlier tag")
+                raise CheckpointError(
+                    f"{path} comes from another save than {states_name} in {folder} "
+                    "(an interrupted save); load an earlier tag"
+                )
             if saved.world_size != self.world_size or saved.rank != rank:
                 raise CheckpointError(f"{path} was written as rank {saved.rank} of {saved.world_size}")
             for name in saved.tensors:
@@ -178,8 +199,9 @@ class TensorShardSource(CheckpointSource):
                 self.group_names = saved.group_names
                 self.shapes = saved.shapes
                 self.param_groups = saved.param_groups
-                self.scaler = ScalerState(saved.loss_scaler or None, bool(saved.loss_scaler.get("dynamic")),
-                                          saved.overflow, saved.clip_grad)
+                self.scaler = ScalerState(
+                    saved.loss_scaler or None, bool(saved.loss_scaler.get("dynamic")), saved.overflow, saved.clip_grad
+                )
         orphan = next((n for n in self.shapes if n not in self.where), None)
         if orphan is not None:
             raise CheckpointError(f"tensor '{orphan}' is in no rank file of checkpoint {folder}")
@@ -204,10 +226,13 @@ class TensorShardSource(CheckpointSource):
                 elif key not in state:
                     state[key] = value.clone() if torch.is_tensor(value) else value
         if covered != numel:
-            raise CheckpointError(f"the blocks of tensor '{name}' in checkpoint {self.folder} cover {covered} of its "
-                                  f"{numel} elements")
-        return TensorState(master.view(shape), {k: v.view(shape) if torch.is_tensor(v) and v.numel() == numel else v
-                                                for k, v in state.items()})
+            raise CheckpointError(
+                f"the blocks of tensor '{name}' in checkpoint {self.folder} cover {covered} of its {numel} elements"
+            )
+        return TensorState(
+            master.view(shape),
+            {k: v.view(shape) if torch.is_tensor(v) and v.numel() == numel else v for k, v in state.items()},
+        )
 
 
 class ZeroSource(CheckpointSource):
@@ -252,7 +277,7 @@ class ZeroSource(CheckpointSource):
             lo, hi = max(start, rank_start), min(start + numel, rank_start + size)
             if lo < hi:
                 flat = pick(files.load(path)["optimizer_state_dict"], g)
-                out[lo - start:hi - start].copy_(flat[lo - rank_start:hi - rank_start])
+                out[lo - start : hi - start].copy_(flat[lo - rank_start : hi - rank_start])
             rank_start += size
         if start + numel > rank_start:
             raise CheckpointError(f"the flat buffers of checkpoint {self.folder} are shorter than its param_shapes")
@@ -266,8 +291,9 @@ class ZeroSource(CheckpointSource):
         group_state = _base_state(first, g)
         master = self._flat_range(g, start, numel, lambda s, g: s["single_partition_of_fp32_groups"][g])
         keys = [k for k, v in group_state.items() if torch.is_tensor(v) and v.dim() == 1]  # flat per-element state
-        state: dict[str, Any] = {k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape)
-                                 for k in keys}
+        state: dict[str, Any] = {
+            k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape) for k in keys
+        }
         if state or "step" in group_state:
             state["step"] = _as_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
         return TensorState(master.view(shape), state)
@@ -288,10 +314,15 @@ class UniversalSource(CheckpointSource):
     def __init__(self, folder: str, model_states: Mapping) -> None:
         self.folder, self.world_size = folder, int(model_states.get("dp_world_size", 1))
         self.zero = os.path.join(folder, "zero")
-        state = files.load(os.path.join(self.zero, "optimizer_state.pt")) \
-            if os.path.isfile(os.path.join(self.zero, "optimizer_state.pt")) else None
+        state = (
+            files.load(os.path.join(self.zero, "optimizer_state.pt"))
+            if os.path.isfile(os.path.join(self.zero, "optimizer_state.pt"))
+            else None
+        )
         if state is None:
-            raise CheckpointError(f"{os.path.join(self.zero, 'optimizer_state.pt')} is missing: not a universal checkpoint")
+            raise CheckpointError(
+                f"{os.path.join(self.zero, 'optimizer_state.pt')} is missing: not a universal checkpoint"
+            )
         param_shapes = model_states["param_shapes"]
         self.group_names = [list(group) for group in param_shapes]
         self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}

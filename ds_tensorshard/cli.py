@@ -1,4 +1,5 @@
 """``ds-tensorshard`` command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,11 @@ def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]
     if args.checkpoint:
         from .checkpoint_sources import open_checkpoint
         from .convert import resolve
+
         source = open_checkpoint(resolve(args.checkpoint, args.tag)[0])
         return [(name, tuple(shape)) for name, shape in source.shapes.items()]
     from .models import hf_config_shapes, preset_shapes
+
     if args.model_config:
         return hf_config_shapes(args.model_config)
     overrides = {k: getattr(args, k) for k in GPT_SIZE_KEYS if getattr(args, k) is not None}
@@ -28,9 +31,12 @@ def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]
 def cmd_plan(args: argparse.Namespace) -> int:
     from .config import DEFAULT_BUCKET_NUMEL
     from .plan_report import format_report, plan_report
+
     shapes = _model_shapes(args)
-    reports = [plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors, args.optimizer)
-               for n in args.world_size]
+    reports = [
+        plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors, args.optimizer)
+        for n in args.world_size
+    ]
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
@@ -41,6 +47,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_migrate_config(args: argparse.Namespace) -> int:
     from .migrate import migrate_config
+
     with open(args.input) as f:
         stock = json.load(f)
     config, report = migrate_config(stock)
@@ -55,8 +62,16 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
     from .convert import convert
-    written = convert(args.src, args.dst, args.to, tag=args.tag, world_size=args.world_size, stage=args.stage,
-                      universal=args.universal)
+
+    written = convert(
+        args.src,
+        args.dst,
+        args.to,
+        tag=args.tag,
+        world_size=args.world_size,
+        stage=args.stage,
+        universal=args.universal,
+    )
     print(f"wrote {written}")
     return 0
 
@@ -73,12 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     for key in GPT_SIZE_KEYS:
         plan.add_argument(f"--{key}", type=int, help=f"override a GPT preset's {key}")
     plan.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
-    plan.add_argument("--split-tensors", choices=["auto", "never"], default="auto",
-                      help="tensorshard.split_tensors (default auto); 'never' is always reported beside it")
+    plan.add_argument(
+        "--split-tensors",
+        choices=["auto", "never"],
+        default="auto",
+        help="tensorshard.split_tensors (default auto); 'never' is always reported beside it",
+    )
     plan.add_argument("--bucket-numel", type=int, help="elements per bucket (default 4,000,000)")
-    plan.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
-                      help="muon: the layers' matrices stay whole and their Newton-Schulz work is balanced and "
-                           "reported next to stock ZeRO's")
+    plan.add_argument(
+        "--optimizer",
+        choices=["adam", "muon"],
+        default="adam",
+        help="muon: the layers' matrices stay whole and their Newton-Schulz work is balanced and "
+        "reported next to stock ZeRO's",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)
 
@@ -98,13 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert_checkpoint)
 
     from .bench import add_arguments, run
+
     bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
     add_arguments(bench)
     bench.set_defaults(func=lambda args: run(args) and 0)
 
     from . import report as report_command
-    report = sub.add_parser("report", help="versions, MPI library, transports, FusedAdam, stale build locks; "
-                                           "whether --config would be accepted; the plan at --world-size")
+
+    report = sub.add_parser(
+        "report",
+        help="versions, MPI library, transports, FusedAdam, stale build locks; "
+        "whether --config would be accepted; the plan at --world-size",
+    )
     report_command.add_arguments(report)
     report.set_defaults(func=report_command.run)
     return parser
@@ -113,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _logs_to_stderr() -> None:
     """DeepSpeed logs to stdout; the commands print their results there (``--json`` for scripts)."""
     from deepspeed.utils import logger
+
     for handler in logger.handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
             handler.setStream(sys.stderr)
@@ -122,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _logs_to_stderr()
     from .checkpoint_files import CheckpointError
     from .config import TensorShardConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -7,6 +7,7 @@ computes): :meth:`~TorchComm.start_reduce` sums the tensor over the ranks into t
 them once per owner present in a bucket, so a segment of any size travels without padding.
 Ranks are ranks within the data-parallel group. Every transport satisfies :class:`Transport`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -74,6 +75,7 @@ class TorchComm:
                 if "timed out" not in str(err).lower():
                     raise
                 raise CollectiveTimeout(what) from None
+
         return Pending(finish, *keep_alive)
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
@@ -98,6 +100,7 @@ def close_process_group() -> None:
     import gc
 
     import torch.distributed as tdist
+
     gc.collect()
     if tdist.is_initialized():
         tdist.barrier()

@@ -3,6 +3,7 @@
 Everything here runs at the start of ``DeepSpeedEngine.__init__``, before the model is moved or any
 optimizer state exists, and raises :class:`TensorShardConfigError` naming the offending key.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -60,7 +61,9 @@ def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
         if first["type"] == "extra_forbidden":
             known = ", ".join(TensorShardConfig.model_fields)
             raise TensorShardConfigError(f"unknown key '{key}' (known keys: {known})") from None
-        raise TensorShardConfigError(f"invalid value for '{key}': {first['msg']} (got {first.get('input')!r})") from None
+        raise TensorShardConfigError(
+            f"invalid value for '{key}': {first['msg']} (got {first.get('input')!r})"
+        ) from None
 
 
 def _offload_device(block: Any) -> str | None:
@@ -81,33 +84,42 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
         raise TensorShardConfigError(
             f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary) or 2 "
             f"(reduce every micro-step); got stage {stage!r}"
-            + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else ""))
+            + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else "")
+        )
     for key in ("offload_optimizer", "offload_param"):
         device = _offload_device(zero.get(key))
         if device is not None:
             raise TensorShardConfigError(
-                f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled'; remove it")
+                f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled'; remove it"
+            )
     if zero.get("cpu_offload"):
         raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
     if stage == 2 and zero.get("reduce_scatter", True):  # stock ZeRO-2 asserts these (stage_1_and_2.py)
         if param_dict.get("gradient_predivide_factor", 1.0) != 1.0:
-            raise TensorShardConfigError("'gradient_predivide_factor' != 1.0 is not supported with ZeRO stage 2 and "
-                                         "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
-                                         "set reduce_scatter to false or remove the factor")
+            raise TensorShardConfigError(
+                "'gradient_predivide_factor' != 1.0 is not supported with ZeRO stage 2 and "
+                "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
+                "set reduce_scatter to false or remove the factor"
+            )
         if param_dict.get("prescale_gradients", False):
-            raise TensorShardConfigError("'prescale_gradients' is not supported with ZeRO stage 2 and "
-                                         "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
-                                         "set reduce_scatter to false or remove it")
+            raise TensorShardConfigError(
+                "'prescale_gradients' is not supported with ZeRO stage 2 and "
+                "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
+                "set reduce_scatter to false or remove it"
+            )
     from .inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
+
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:
             raise TensorShardConfigError(
-                f"'{BLOCK}.enabled' needs an 'optimizer' block (or a client optimizer given to deepspeed.initialize)")
+                f"'{BLOCK}.enabled' needs an 'optimizer' block (or a client optimizer given to deepspeed.initialize)"
+            )
         refused = REFUSED_TYPES.get(str(opt_type).lower())
         if refused is not None:
             raise TensorShardConfigError(
-                f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard: {REFUSED[refused]}")
+                f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard: {REFUSED[refused]}"
+            )
     elif isinstance(client_optimizer, torch.optim.Optimizer):
         check_supported(client_optimizer)
     return config
@@ -120,31 +132,38 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
     parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows) and Ulysses sequence parallelism
     through an ``mpu``."""
     from deepspeed.pipe import PipelineModule
+
     stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
     if isinstance(model, PipelineModule) and stage >= 2:
         raise TensorShardConfigError(
             "a PipelineModule with 'zero_optimization.stage' 2: ZeRO-2 and ZeRO-3 are incompatible with "
-            "pipeline parallelism (stock DeepSpeed refuses it too); use stage 1")
+            "pipeline parallelism (stock DeepSpeed refuses it too); use stage 1"
+        )
     accum = (param_dict.get("data_types") or {}).get("grad_accum_dtype")
     low_precision = (param_dict.get("bf16") or {}).get("enabled") or (param_dict.get("fp16") or {}).get("enabled")
     if isinstance(model, PipelineModule) and low_precision and accum in ("fp32", "float32", "float"):
         raise TensorShardConfigError(
             "a PipelineModule with 'data_types.grad_accum_dtype' fp32 in bf16/fp16 training is not supported by "
-            f"ds_tensorshard (stock runs it through its BF16_Optimizer); remove the key or disable '{BLOCK}.enabled'")
+            f"ds_tensorshard (stock runs it through its BF16_Optimizer); remove the key or disable '{BLOCK}.enabled'"
+        )
     if param_dict.get("sequence_parallel_size", 1) > 1:
         raise TensorShardConfigError(
             f"'sequence_parallel_size' {param_dict['sequence_parallel_size']} (DeepSpeed's device-mesh sequence "
             "parallelism) is not supported by ds_tensorshard; give deepspeed.initialize an mpu with sequence-parallel "
-            "groups instead (Megatron-DeepSpeed style, tested with Ulysses DistributedAttention)")
+            "groups instead (Megatron-DeepSpeed style, tested with Ulysses DistributedAttention)"
+        )
     autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0)
     if autotp and autotp > 1:
-        raise TensorShardConfigError(f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "
-                                     "ds_tensorshard; pass a Megatron-style mpu to deepspeed.initialize instead")
+        raise TensorShardConfigError(
+            f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "
+            "ds_tensorshard; pass a Megatron-style mpu to deepspeed.initialize instead"
+        )
     expert = next((name for name, p in model.named_parameters() if getattr(p, "allreduce", True) is False), None)
     if expert is not None:
         raise TensorShardConfigError(
             f"MoE expert parameter '{expert}' (allreduce=False): mixture-of-experts layers are not supported by "
-            f"ds_tensorshard; disable '{BLOCK}.enabled' for this model")
+            f"ds_tensorshard; disable '{BLOCK}.enabled' for this model"
+        )
 
 
 def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> int:

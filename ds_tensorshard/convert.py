@@ -3,6 +3,7 @@
 Every writer reads the source one tensor at a time (see :mod:`.checkpoint_sources`) and writes
 through :func:`.checkpoint_files.save_atomic`; ``latest`` is written last.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,8 +77,9 @@ def _is_bf16(source: CheckpointSource) -> bool:
     return bool((config.get("bf16") or {}).get("enabled"))
 
 
-def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0,
-                   progress: Progress | None = None) -> None:
+def to_tensorshard(
+    source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0, progress: Progress | None = None
+) -> None:
     """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``).
     ``progress(done, total)`` is called after each tensor read."""
     folder = os.path.join(dst, tag)
@@ -95,11 +97,18 @@ def to_tensorshard(source: CheckpointSource, dst: str, tag: str, world_size: int
             done += 1
             if progress is not None:
                 progress(done, len(source.shapes))
-        rank_file = RankFile(checkpoint_id=checkpoint_id, world_size=world_size, rank=rank, tensors=tensors,
-                             group_names=source.group_names, shapes=source.shapes, param_groups=groups,
-                             loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
-                             overflow=scaler.overflow if scaler else False,
-                             clip_grad=scaler.clip_grad if scaler else 0.0)
+        rank_file = RankFile(
+            checkpoint_id=checkpoint_id,
+            world_size=world_size,
+            rank=rank,
+            tensors=tensors,
+            group_names=source.group_names,
+            shapes=source.shapes,
+            param_groups=groups,
+            loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
+            overflow=scaler.overflow if scaler else False,
+            clip_grad=scaler.clip_grad if scaler else 0.0,
+        )
         save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
 
@@ -108,10 +117,18 @@ def _stock_scaler_fields(source: CheckpointSource) -> dict:
     """The loss-scaler entries of a stock ZeRO optimizer file (DeepSpeed keeps the scaler object itself)."""
     scaler = source.scaler
     if scaler is None or not scaler.loss_scaler:
-        return {"loss_scaler": None, "dynamic_loss_scale": False, "overflow": False,
-                "clip_grad": scaler.clip_grad if scaler else 0.0}
-    return {"loss_scaler": restore_loss_scaler(scaler.loss_scaler, torch.float16),
-            "dynamic_loss_scale": scaler.dynamic_loss_scale, "overflow": scaler.overflow, "clip_grad": scaler.clip_grad}
+        return {
+            "loss_scaler": None,
+            "dynamic_loss_scale": False,
+            "overflow": False,
+            "clip_grad": scaler.clip_grad if scaler else 0.0,
+        }
+    return {
+        "loss_scaler": restore_loss_scaler(scaler.loss_scaler, torch.float16),
+        "dynamic_loss_scale": scaler.dynamic_loss_scale,
+        "overflow": scaler.overflow,
+        "clip_grad": scaler.clip_grad,
+    }
 
 
 def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[str]:
@@ -127,19 +144,29 @@ def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[
         if not torch.is_tensor(value) or value.dim() == 0:
             continue
         if value.numel() != numel:
-            raise CheckpointError(f"optimizer state '{key}' of tensor '{names[0]}' has {value.numel()} elements for a "
-                                  f"{numel}-element tensor: stock ZeRO keeps state as flat slices of the parameters, "
-                                  "so this optimizer's checkpoint cannot be converted to it")
+            raise CheckpointError(
+                f"optimizer state '{key}' of tensor '{names[0]}' has {value.numel()} elements for a "
+                f"{numel}-element tensor: stock ZeRO keeps state as flat slices of the parameters, "
+                "so this optimizer's checkpoint cannot be converted to it"
+            )
         keys.append(key)
     return sorted(keys)
 
 
-def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage: int, mp_rank: int = 0,
-            progress: Progress | None = None) -> None:
+def to_zero(
+    source: CheckpointSource,
+    dst: str,
+    tag: str,
+    world_size: int,
+    stage: int,
+    mp_rank: int = 0,
+    progress: Progress | None = None,
+) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
     param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks.
     ``progress(done, total)`` is called after each rank's file."""
     from deepspeed.runtime.zero.config import ZeroStageEnum
+
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
     group_layouts = []
@@ -163,32 +190,51 @@ def to_zero(source: CheckpointSource, dst: str, tag: str, world_size: int, stage
                     for key in flats:
                         value = saved.master if key == "master" else saved.state.get(key)
                         if value is not None:
-                            flats[key][a - lo:b - lo].copy_(value.reshape(-1)[a - offset:b - offset])
+                            flats[key][a - lo : b - lo].copy_(value.reshape(-1)[a - offset : b - offset])
                 offset += numel
             padding = max(0, min(part, hi - total))
             paddings.append(padding)
-            masters.append(flats["master"][:part - padding].clone())
+            masters.append(flats["master"][: part - padding].clone())
             state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
         hyper = source.param_groups or [{} for _ in group_layouts]
-        save_atomic({"optimizer_state_dict": {
-            **_stock_scaler_fields(source),
-            "base_optimizer_state": {"state": state, "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)]},
-            "single_partition_of_fp32_groups": masters,
-            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
-            "group_paddings": paddings, "partition_count": [world_size] * len(group_layouts),
-            "ds_version": source.model_states.get("ds_version")}}, _rank_file(folder, rank, source, mp_rank))
+        save_atomic(
+            {
+                "optimizer_state_dict": {
+                    **_stock_scaler_fields(source),
+                    "base_optimizer_state": {
+                        "state": state,
+                        "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
+                    },
+                    "single_partition_of_fp32_groups": masters,
+                    "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+                    "group_paddings": paddings,
+                    "partition_count": [world_size] * len(group_layouts),
+                    "ds_version": source.model_states.get("ds_version"),
+                }
+            },
+            _rank_file(folder, rank, source, mp_rank),
+        )
         if progress is not None:
             progress(rank + 1, world_size)
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
 
 
-def convert(src: str, dst: str, to: str, tag: str | None = None, world_size: int = 1, stage: int = 2,
-            universal: bool = False, progress: Progress | None = None) -> str:
+def convert(
+    src: str,
+    dst: str,
+    to: str,
+    tag: str | None = None,
+    world_size: int = 1,
+    stage: int = 2,
+    universal: bool = False,
+    progress: Progress | None = None,
+) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
     With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
     Without ``progress``, a bar per model-parallel rank is shown when stdout is a terminal (nothing otherwise)."""
     from .progress import terminal_callback
+
     folder, tag = resolve(src, tag, universal)
     ranks = mp_ranks(folder) or [0]
     sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
@@ -197,8 +243,10 @@ def convert(src: str, dst: str, to: str, tag: str | None = None, world_size: int
         stem, ext = os.path.splitext(dst)
         for mp_rank, source in zip(ranks, sources):
             label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
-            save_atomic(fp32_state_dict(source, progress or terminal_callback(label)),
-                        dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
+            save_atomic(
+                fp32_state_dict(source, progress or terminal_callback(label)),
+                dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}",
+            )
         return dst
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")

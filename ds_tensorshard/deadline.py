@@ -6,6 +6,7 @@ the others, and reads theirs back: ranks that wrote nothing have not arrived (st
 dead), ranks that wrote another place are on another step or bucket. The error names the step,
 the bucket and its first tensor, the transport, and those ranks.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,6 +31,7 @@ class StepMismatch(RuntimeError):
 
 def _store() -> Any:
     from torch.distributed import distributed_c10d
+
     return distributed_c10d._get_default_store()
 
 
@@ -73,6 +75,8 @@ def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], s
         return wait()
     except CollectiveTimeout as err:
         place = where()
-        comm.fail(f"ds_tensorshard: {place}: {err} did not complete within tensorshard.timeout_s="
-                  f"{comm.timeout_s:g} s on the {comm.name} transport; "
-                  f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}")
+        comm.fail(
+            f"ds_tensorshard: {place}: {err} did not complete within tensorshard.timeout_s="
+            f"{comm.timeout_s:g} s on the {comm.name} transport; "
+            f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
+        )

@@ -8,6 +8,7 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`.
 Engines whose config does not enable the plugin run the stock methods untouched.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,15 +36,19 @@ def _wrap_init(original):
         bound = _INIT_SIGNATURE.bind(self, *args, **kwargs)
         config_class = bound.arguments.get("config_class")
         if config_class is not None:
-            self._tensorshard_config = validate_engine_config(config_class._param_dict,
-                                                              bound.arguments.get("optimizer"))
+            self._tensorshard_config = validate_engine_config(
+                config_class._param_dict, bound.arguments.get("optimizer")
+            )
             if self._tensorshard_config is not None:
-                validate_parallel_layout(bound.arguments.get("model"), bound.arguments.get("mpu"),
-                                         config_class._param_dict)
+                validate_parallel_layout(
+                    bound.arguments.get("model"), bound.arguments.get("mpu"), config_class._param_dict
+                )
             if self._tensorshard_config is not None and self._tensorshard_config.comm_backend == "mpi":
                 from .mpi_comm import check_mpi_world
+
                 check_mpi_world()
         original(self, *args, **kwargs)
+
     return __init__
 
 
@@ -54,6 +59,7 @@ def _wrap_sanity_check(original):
             return original(self, basic_optimizer)
         check_supported(basic_optimizer)
         return ZERO_OPTIMIZATION
+
     return _do_optimizer_sanity_check
 
 
@@ -64,8 +70,11 @@ def _wrap_configure_zero(original):
         if config is None:
             return original(self, optimizer)
         from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
-        return TensorShardOptimizer(optimizer, engine=self, config=config,
-                                    joint_plan=getattr(self.module, JOINT_PLAN_ATTRIBUTE, None))
+
+        return TensorShardOptimizer(
+            optimizer, engine=self, config=config, joint_plan=getattr(self.module, JOINT_PLAN_ATTRIBUTE, None)
+        )
+
     return _configure_zero_optimizer
 
 

@@ -1,4 +1,5 @@
 """Gather: updated parameters go from their owners back to every rank."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -16,8 +17,12 @@ class Gather:
     """One broadcast per owner present in a bucket, at most ``IN_FLIGHT`` buckets under way, the first
     ones started on creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
 
-    def __init__(self, buckets: list[Bucket], comm: Transport,
-                 describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}") -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        comm: Transport,
+        describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
+    ) -> None:
         self.todo, self.comm, self.describe = deque(enumerate(buckets)), comm, describe
         self.in_flight: deque[tuple[int, Bucket, torch.Tensor, list[Pending]]] = deque()
         self._fill()
@@ -28,9 +33,9 @@ class Gather:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             mine = bucket.segment_of(self.comm.rank)
             if mine is not None:
-                for piece, view in mine.views(flat[mine.offset:mine.offset + mine.numel]):
+                for piece, view in mine.views(flat[mine.offset : mine.offset + mine.numel]):
                     view.copy_(piece.of(piece.param.data))
-            pending = [self.comm.start_broadcast(flat[s.offset:s.offset + s.numel], s.owner) for s in bucket.segments]
+            pending = [self.comm.start_broadcast(flat[s.offset : s.offset + s.numel], s.owner) for s in bucket.segments]
             self.in_flight.append((index, bucket, flat, pending))
 
     @torch.no_grad()
@@ -38,15 +43,20 @@ class Gather:
         while self.in_flight:
             index, bucket, flat, pending = self.in_flight.popleft()
             for p in pending:
-                wait_or_fail(p.wait, self.comm, lambda index=index, bucket=bucket: self.describe(index, bucket, "broadcast"))
+                wait_or_fail(
+                    p.wait, self.comm, lambda index=index, bucket=bucket: self.describe(index, bucket, "broadcast")
+                )
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
-                    for piece, view in segment.views(flat[segment.offset:segment.offset + segment.numel]):
+                    for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):
                         piece.of(piece.param.data).copy_(view)
             self._fill()
 
 
-def gather_buckets(buckets: list[Bucket], comm: Transport,
-                   describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}") -> None:
+def gather_buckets(
+    buckets: list[Bucket],
+    comm: Transport,
+    describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
+) -> None:
     """Every rank receives every owner's updated tensors, two buckets in flight at a time."""
     Gather(buckets, comm, describe).finish()

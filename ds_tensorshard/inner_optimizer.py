@@ -7,6 +7,7 @@ matrix (Muon's Newton-Schulz, Adafactor's factored second moment, LAMB's trust r
 optimizer not known to be element-wise) never have a tensor split: each tensor is updated whole, on
 one rank, exactly as an unsharded run updates it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -16,8 +17,24 @@ import torch
 
 from .config import TensorShardConfigError
 
-ELEMENTWISE = frozenset({"FusedAdam", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "SGD", "RMSprop", "Rprop",
-                         "ASGD", "Adadelta", "Adagrad", "FusedLion", "SparseAdam"})
+ELEMENTWISE = frozenset(
+    {
+        "FusedAdam",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "SGD",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+        "Adadelta",
+        "Adagrad",
+        "FusedLion",
+        "SparseAdam",
+    }
+)
 # DeepSpeed's optimizers that compress or offload their own communication, or need parameter metadata
 # (mup's infinite-width shapes) that owned fp32 masters do not carry
 REFUSED = {
@@ -31,8 +48,14 @@ REFUSED = {
     "MuAdamW": "it reads mup's infshape attributes from the parameters, which owned masters do not carry",
     "MuSGD": "it reads mup's infshape attributes from the parameters, which owned masters do not carry",
 }
-REFUSED_TYPES = {"onebitadam": "OnebitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OnebitLamb",
-                 "muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}
+REFUSED_TYPES = {
+    "onebitadam": "OnebitAdam",
+    "zerooneadam": "ZeroOneAdam",
+    "onebitlamb": "OnebitLamb",
+    "muadam": "MuAdam",
+    "muadamw": "MuAdamW",
+    "musgd": "MuSGD",
+}
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> None:

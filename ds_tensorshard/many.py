@@ -14,6 +14,7 @@ Example (every rank runs the same lines)::
     ...  # forward + backward on each engine
     ds_tensorshard.step_many([actor_engine, critic_engine])
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
     deepspeed.init_distributed()
     modes = {_split_mode(item) for item in items}
     if len(modes) > 1:
-        raise ValueError(f"initialize_many plans all models at once, but their configs set 'tensorshard.split_tensors' "
-                         f"differently ({sorted(modes)}); give them the same value")
+        raise ValueError(
+            f"initialize_many plans all models at once, but their configs set 'tensorshard.split_tensors' "
+            f"differently ({sorted(modes)}); give them the same value"
+        )
     tensors, names = [], {}
     for index, item in enumerate(items):
         if "model" not in item:
@@ -70,8 +73,11 @@ def step_many(engines: Sequence[Any]) -> None:
     boundary completes its reductions and global norm, then each model's owned tensors are updated while
     the previous model's all-gathers run; all gathers are complete on return. Same result as stepping
     the engines one by one."""
-    sharded = [e.optimizer for e in engines
-               if isinstance(e.optimizer, TensorShardOptimizer) and e.is_gradient_accumulation_boundary()]
+    sharded = [
+        e.optimizer
+        for e in engines
+        if isinstance(e.optimizer, TensorShardOptimizer) and e.is_gradient_accumulation_boundary()
+    ]
     for optimizer in sharded:
         optimizer.prepare_step()
         optimizer.overlap.defer_gather = True

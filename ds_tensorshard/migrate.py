@@ -1,4 +1,5 @@
 """Rewrite a stock ZeRO-1/2 DeepSpeed config for ds_tensorshard, reporting what happens to each key."""
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,10 @@ def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         report.append("zero_optimization: absent; added with stage 2 (reduce every micro-step)")
     stage = zero.get("stage", 0)
     if stage == 3:
-        raise TensorShardConfigError("'zero_optimization.stage' 3 splits tensors and shards parameters; "
-                                     "ds_tensorshard replaces stages 1 and 2 only, so this config cannot be migrated")
+        raise TensorShardConfigError(
+            "'zero_optimization.stage' 3 splits tensors and shards parameters; "
+            "ds_tensorshard replaces stages 1 and 2 only, so this config cannot be migrated"
+        )
     if stage in (0, None):
         zero["stage"] = 2
         report.append(f"zero_optimization.stage: {stage!r} -> 2 (ds_tensorshard needs stage 1 or 2)")
@@ -37,8 +40,10 @@ def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     config["zero_optimization"] = zero
     opt_type = (config.get("optimizer") or {}).get("type")
     if opt_type is None:
-        raise TensorShardConfigError("the config has no 'optimizer' block: ds_tensorshard takes its inner optimizer "
-                                     "from it (or from a client optimizer, which a config cannot name)")
+        raise TensorShardConfigError(
+            "the config has no 'optimizer' block: ds_tensorshard takes its inner optimizer "
+            "from it (or from a client optimizer, which a config cannot name)"
+        )
     report.append(f"optimizer.type={opt_type!r}: kept (runs on owned tensors only)")
     for key in sorted(k for k in config if k not in ("zero_optimization", "optimizer", BLOCK)):
         report.append(f"{key}: kept")

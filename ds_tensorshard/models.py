@@ -2,6 +2,7 @@
 TransformerEncoderLayer, pre-norm, causal, tied head) in named sizes, and the parameter shapes of
 Llama-style models, named or read from a Hugging Face ``config.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
-                                       norm_first=True) for _ in range(layers))
+            nn.TransformerEncoderLayer(
+                width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.wte.weight
@@ -61,13 +65,34 @@ def synthetic_batch(batch: int, seq: int, vocab: int, generator: torch.Generator
 
 
 Shapes = list[tuple[str, tuple[int, ...]]]
-LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "tie_word_embeddings")
+LLAMA_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 LLAMA_PRESETS: dict[str, dict[str, Any]] = {
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 PRESET_NAMES = (*PRESETS, *LLAMA_PRESETS)
 
@@ -79,11 +104,17 @@ def llama_shapes(config: Mapping[str, Any]) -> Shapes:
     shapes: Shapes = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}"
-        shapes += [(f"{layer}.self_attn.q_proj.weight", (h, h)), (f"{layer}.self_attn.k_proj.weight", (kv, h)),
-                   (f"{layer}.self_attn.v_proj.weight", (kv, h)), (f"{layer}.self_attn.o_proj.weight", (h, h)),
-                   (f"{layer}.mlp.gate_proj.weight", (inter, h)), (f"{layer}.mlp.up_proj.weight", (inter, h)),
-                   (f"{layer}.mlp.down_proj.weight", (h, inter)), (f"{layer}.input_layernorm.weight", (h,)),
-                   (f"{layer}.post_attention_layernorm.weight", (h,))]
+        shapes += [
+            (f"{layer}.self_attn.q_proj.weight", (h, h)),
+            (f"{layer}.self_attn.k_proj.weight", (kv, h)),
+            (f"{layer}.self_attn.v_proj.weight", (kv, h)),
+            (f"{layer}.self_attn.o_proj.weight", (h, h)),
+            (f"{layer}.mlp.gate_proj.weight", (inter, h)),
+            (f"{layer}.mlp.up_proj.weight", (inter, h)),
+            (f"{layer}.mlp.down_proj.weight", (h, inter)),
+            (f"{layer}.input_layernorm.weight", (h,)),
+            (f"{layer}.post_attention_layernorm.weight", (h,)),
+        ]
     shapes.append(("model.norm.weight", (h,)))
     if not config.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (vocab, h)))
@@ -106,8 +137,10 @@ def hf_config_shapes(path: str) -> Shapes:
         elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{path}: '{key}' must be a positive integer, got {value!r}")
     if config["hidden_size"] % config["num_attention_heads"]:
-        raise ValueError(f"{path}: 'hidden_size' {config['hidden_size']} is not a multiple of "
-                         f"'num_attention_heads' {config['num_attention_heads']}")
+        raise ValueError(
+            f"{path}: 'hidden_size' {config['hidden_size']} is not a multiple of "
+            f"'num_attention_heads' {config['num_attention_heads']}"
+        )
     return llama_shapes(config)
 
 

@@ -9,6 +9,7 @@ precision of NCCL's 16-bit reductions that stock ZeRO uses. CUDA tensors go to M
 mpi4py reports a CUDA-aware MPI (after the stream that produced them has finished), and through
 pinned host memory otherwise (warned once). The MPI processes must be the torch.distributed processes.
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,8 +32,10 @@ def _mpi():
     try:
         from mpi4py import MPI
     except ImportError as err:
-        raise TensorShardConfigError("'tensorshard.comm_backend' 'mpi' needs mpi4py: pip install "
-                                     "'ds_tensorshard[mpi]' (mpi4py + mpich) or use comm_backend 'torch'") from err
+        raise TensorShardConfigError(
+            "'tensorshard.comm_backend' 'mpi' needs mpi4py: pip install "
+            "'ds_tensorshard[mpi]' (mpi4py + mpich) or use comm_backend 'torch'"
+        ) from err
     return MPI
 
 
@@ -45,16 +48,19 @@ def check_mpi_world() -> None:
             f"'tensorshard.comm_backend' 'mpi' needs the MPI world to be the torch.distributed world, but MPI has "
             f"{mpi.Get_size()} process(es) and torch.distributed {torch_size} (under the local deepspeed launcher or "
             "torchrun every process is its own MPI singleton). Launch with 'mpiexec -n N python train.py' or "
-            "'deepspeed --hostfile H --launcher mpich|openmpi --force_multi ...', or use comm_backend 'torch'")
+            "'deepspeed --hostfile H --launcher mpich|openmpi --force_multi ...', or use comm_backend 'torch'"
+        )
 
 
 def _sum16(dtype: torch.dtype):
     """An MPI op summing raw 16-bit words of ``dtype`` in fp32."""
     if dtype not in _sum16_ops:
+
         def add(inbuf, inoutbuf, datatype) -> None:
             a = torch.frombuffer(inbuf, dtype=torch.int16).view(dtype)
             b = torch.frombuffer(inoutbuf, dtype=torch.int16).view(dtype)
             b.copy_((a.float() + b.float()).to(dtype))
+
         _sum16_ops[dtype] = _mpi().Op.Create(add, commute=True)
     return _sum16_ops[dtype]
 
@@ -100,8 +106,10 @@ class MpiComm:
         if tensor.dtype in _HALF:
             data, mpi_type = tensor.view(torch.int16), MPI.SHORT
         else:
-            data, mpi_type = tensor, {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
-                                      torch.int64: MPI.INT64_T}[tensor.dtype]
+            data, mpi_type = (
+                tensor,
+                {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T}[tensor.dtype],
+            )
         buf = data if data.is_cuda else data.numpy()
         return [buf, mpi_type]
 
@@ -116,8 +124,10 @@ class MpiComm:
             stream.synchronize()
             return tensor
         if not _warned_staging:
-            logger.warning("ds_tensorshard: mpi4py reports an MPI without CUDA support; "
-                           "staging CUDA tensors through pinned host memory")
+            logger.warning(
+                "ds_tensorshard: mpi4py reports an MPI without CUDA support; "
+                "staging CUDA tensors through pinned host memory"
+            )
             _warned_staging = True
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
@@ -133,14 +143,20 @@ class MpiComm:
             request = self.mpi.Ireduce(MPI.IN_PLACE, self._spec(host), op=op, root=owner)
         else:
             request = self.mpi.Ireduce(self._spec(host), None, op=op, root=owner)
-        return Pending(lambda: (self._wait(request, f"reduce to rank {owner}"),
-                                self._back(host, tensor, self.rank == owner))[1], host)
+        return Pending(
+            lambda: (self._wait(request, f"reduce to rank {owner}"), self._back(host, tensor, self.rank == owner))[1],
+            host,
+        )
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         host = self._host(tensor)
         request = self.mpi.Ibcast(self._spec(host), root=owner)
-        return Pending(lambda: (self._wait(request, f"broadcast from rank {owner}"),
-                                self._back(host, tensor, self.rank != owner))[1], host)
+        return Pending(
+            lambda: (self._wait(request, f"broadcast from rank {owner}"), self._back(host, tensor, self.rank != owner))[
+                1
+            ],
+            host,
+        )
 
     @staticmethod
     def _back(host: torch.Tensor, tensor: torch.Tensor, received: bool) -> None:

@@ -17,6 +17,7 @@ Example (one process; with more ranks every rank runs the same lines)::
     assert isinstance(optimizer, ds_tensorshard.TensorShardOptimizer)
     print(optimizer.plan.numel_per_rank, optimizer.plan.owner(model.weight))
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ JOINT_PLAN_ATTRIBUTE = "_tensorshard_joint_plan"  # set on a model by initialize
 @dataclass(frozen=True)
 class Prepared:
     """What :meth:`TensorShardOptimizer.prepare_step` decided, for :meth:`~TensorShardOptimizer.step` to apply."""
+
     overflow: bool
     combined_scale: float | torch.Tensor | None  # the unscale-and-clip divisor; None: gradients stay as they are
 
@@ -67,6 +69,7 @@ class Prepared:
 class Overlap:
     """A step's state that reaches outside :meth:`TensorShardOptimizer.step`, where several models overlap
     (:func:`~ds_tensorshard.initialize_many`, :func:`~ds_tensorshard.step_many`)."""
+
     reduce_in_background: bool  # engines of initialize_many: the last reductions of a backward keep running
     defer_gather: bool = False  # set by step_many: step() starts the gathers, finish_gather() completes them
     pending_gather: Gather | None = None  # the gathers a deferred step started
@@ -83,8 +86,13 @@ class TensorShardOptimizer(ZeROOptimizer):
     engine is one of :func:`~ds_tensorshard.initialize_many`'s, else one made for this model alone.
     """
 
-    def __init__(self, init_optimizer: torch.optim.Optimizer, engine: Any, config: TensorShardConfig,
-                 joint_plan: OwnershipPlan | None = None) -> None:
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        engine: Any,
+        config: TensorShardConfig,
+        joint_plan: OwnershipPlan | None = None,
+    ) -> None:
         super().__init__()
         check_supported(init_optimizer)
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
@@ -96,7 +104,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.clip_grad = float(engine.gradient_clipping())
         self.dtype = engine.get_data_types()[0]
         self.check_grad_overflow = engine.fp16_enabled() or (
-            engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow)
+            engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow
+        )
         # DeepSpeed before 0.19.7 has no compute_grad_norm setting: it always computes the norm
         self.compute_grad_norm = getattr(engine, "zero_compute_grad_norm", lambda: True)()
         self.model_parallel_group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
@@ -107,18 +116,26 @@ class TensorShardOptimizer(ZeROOptimizer):
         self._global_grad_norm: float | None = None
 
         # zero-element tensors have nothing to update: dropped, as stock ZeRO does
-        self.bit16_groups = [[p for p in group["params"] if p.requires_grad and p.numel() > 0]
-                             for group in init_optimizer.param_groups]
+        self.bit16_groups = [
+            [p for p in group["params"] if p.requires_grad and p.numel() > 0] for group in init_optimizer.param_groups
+        ]
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = _in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
         whole = {self.names[p] for p in whole_matrix_params(init_optimizer) if p in self.names}
-        work = {self.names[p]: newton_schulz_work(tuple(p.shape)) for p in orthogonalized_params(init_optimizer)
-                if p in self.names}
-        self.plan = joint_plan or plan_ownership(((self.names[p], tuple(p.shape)) for p in self.params),
-                                                   self.comm.world_size,
-                                                   param_names={id(p): name for p, name in self.names.items()},
-                                                   split=config.split_tensors, unsplittable=whole, work=work)
+        work = {
+            self.names[p]: newton_schulz_work(tuple(p.shape))
+            for p in orthogonalized_params(init_optimizer)
+            if p in self.names
+        }
+        self.plan = joint_plan or plan_ownership(
+            ((self.names[p], tuple(p.shape)) for p in self.params),
+            self.comm.world_size,
+            param_names={id(p): name for p, name in self.names.items()},
+            split=config.split_tensors,
+            unsplittable=whole,
+            work=work,
+        )
         _check_plan_covers(self.plan, self.params, self.comm.world_size)
         _check_whole(self.plan, self.params, self.names, whole, type(init_optimizer).__name__)
         # an engine of initialize_many leaves its last reductions in flight after backward, to run
@@ -126,21 +143,33 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.overlap = Overlap(reduce_in_background=joint_plan is not None)
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         rank = self.comm.rank
-        owned = [[(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups]
+        owned = [
+            [(p, b) for p in group for b in self.plan.blocks_of(p) if b.rank == rank] for group in self.bit16_groups
+        ]
         accum_dtype = engine.get_data_types()[1]
         self.shard = OwnedShard(init_optimizer, owned, accum_dtype, engine.device)
         keep_owned_state(init_optimizer, self.shard.masters.values(), eager_state)
         # stage 1 with grad_accum_dtype wider than the model's: micro-step gradients are held in that dtype
-        self.held: dict[torch.nn.Parameter, torch.Tensor] | None = \
+        self.held: dict[torch.nn.Parameter, torch.Tensor] | None = (
             {} if not self.partition_gradients and accum_dtype != self.dtype else None
+        )
         self._inside_no_sync = lambda: engine.inside_no_sync_ctxt
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
         self.pipeline = isinstance(engine, PipelineEngine)
         init_optimizer.add_param_group = self.add_param_group  # the inner optimizer refuses them too
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
-        self.reducer = OverlappedReducer(self._build_buckets(list(reversed(self.params))), self.comm, self.averaging,
-                                         self._deliver, self.params, self.names.__getitem__, self._build_buckets,
-                                         self._gradient_of, self._release, self._step_of)
+        self.reducer = OverlappedReducer(
+            self._build_buckets(list(reversed(self.params))),
+            self.comm,
+            self.averaging,
+            self._deliver,
+            self.params,
+            self.names.__getitem__,
+            self._build_buckets,
+            self._gradient_of,
+            self._release,
+            self._step_of,
+        )
         for param in self.params:  # a model given to a new engine drops the previous engine's hook
             previous = getattr(param, "_tensorshard_hook", None)
             if previous is not None:
@@ -148,10 +177,12 @@ class TensorShardOptimizer(ZeROOptimizer):
             param._tensorshard_hook = param.register_post_accumulate_grad_hook(self._gradient_ready)
         if engine.global_rank == 0:
             split = self.plan.split
-            logger.info(f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
-                        f"({len(split)} split into dim-0 blocks) in {len(self.buckets)} buckets of at most "
-                        f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
-                        f"{describe_zero_mapping(engine._config._param_dict)}")
+            logger.info(
+                f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
+                f"({len(split)} split into dim-0 blocks) in {len(self.buckets)} buckets of at most "
+                f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
+                f"{describe_zero_mapping(engine._config._param_dict)}"
+            )
 
     def _counted_in_norm(self, param: torch.nn.Parameter) -> bool:
         """Stock's model-parallel rule: each tensor-parallel shard once, a replicated tensor on model-parallel
@@ -161,9 +192,12 @@ class TensorShardOptimizer(ZeROOptimizer):
         return is_model_parallel_parameter(param) or self.model_parallel_rank == 0
 
     def _init_loss_scaling(self, engine: Any) -> None:
-        self.loss_scaler = CreateLossScaler(dtype=self.dtype, static_loss_scale=engine.loss_scale(),
-                                            dynamic_scaling=engine.dynamic_loss_scale(),
-                                            dynamic_loss_args=engine.dynamic_loss_scale_args())
+        self.loss_scaler = CreateLossScaler(
+            dtype=self.dtype,
+            static_loss_scale=engine.loss_scale(),
+            dynamic_scaling=engine.dynamic_loss_scale(),
+            dynamic_loss_args=engine.dynamic_loss_scale_args(),
+        )
         self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
         self.custom_loss_scaler = False
         self.external_loss_scale = None
@@ -214,8 +248,9 @@ class TensorShardOptimizer(ZeROOptimizer):
         boundary's, outside ``engine.no_sync()``), hand the gradient to the reducer, which starts
         complete buckets at once. Otherwise (stage 1) the gradient accumulates, in the model or held
         in ``grad_accum_dtype``."""
-        reducing = self.partition_gradients or (self._at_boundary() and not self._inside_no_sync()
-                                                and not self.pipeline)
+        reducing = self.partition_gradients or (
+            self._at_boundary() and not self._inside_no_sync() and not self.pipeline
+        )
         if self.held is not None and (param in self.held or not reducing):
             held = self.held.get(param)
             self.held[param] = param.grad.to(self.shard.accum_dtype) if held is None else held.add_(param.grad)
@@ -258,8 +293,12 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.shard.gradients_to_masters()
         step = self._step_of()
         # one extra element: the ranks' steps (mod 4096, exact in fp32), summed with the norms
-        stats = torch.cat([self.shard.squared_grad_norms(self._counted_in_norm).float(),
-                           torch.tensor([float(step % STEP_CHECK_MODULUS)], device=self.shard.device)])
+        stats = torch.cat(
+            [
+                self.shard.squared_grad_norms(self._counted_in_norm).float(),
+                torch.tensor([float(step % STEP_CHECK_MODULUS)], device=self.shard.device),
+            ]
+        )
         wait_or_fail(lambda: self.comm.all_reduce_sum(stats), self.comm, lambda: f"step {step}, global norm all-reduce")
         partials, steps = stats[:-1].clone(), float(stats[-1])
         if steps != self.comm.world_size * (step % STEP_CHECK_MODULUS):
@@ -267,13 +306,16 @@ class TensorShardOptimizer(ZeROOptimizer):
                 f"ds_tensorshard: the ranks of the data-parallel group are at different optimizer steps: this rank "
                 f"(rank {self.comm.rank}) is at step {step}, but their steps (mod {STEP_CHECK_MODULUS}) sum to "
                 f"{steps:.0f}, not {self.comm.world_size} x {step % STEP_CHECK_MODULUS}; a rank skipped or repeated "
-                "a step (its data ran out?)")
+                "a step (its data ran out?)"
+            )
         if self.model_parallel_group is not None and dist.get_world_size(self.model_parallel_group) > 1:
             # tensor-parallel shards add up, as stock
             dist.all_reduce(partials, group=self.model_parallel_group)
         group_norms = partials.pow(1.0 / 2)
         invalid = bool((~torch.isfinite(group_norms)).any())  # a group's inf/nan makes the whole norm invalid
-        scaled_norm = torch.full((), float("inf"), device=partials.device) if invalid else torch.linalg.vector_norm(group_norms)
+        scaled_norm = (
+            torch.full((), float("inf"), device=partials.device) if invalid else torch.linalg.vector_norm(group_norms)
+        )
         self.overflow = (self.dtype != torch.bfloat16 or self.check_grad_overflow) and invalid
         prev_scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
@@ -341,7 +383,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         raise TensorShardConfigError(
             "add_param_group is not supported by ds_tensorshard: ownership, buckets and gradient hooks are planned "
             "once, for the param groups given to deepspeed.initialize; pass every group there (a group may start "
-            "with lr 0)")
+            "with lr 0)"
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -355,17 +398,24 @@ class TensorShardOptimizer(ZeROOptimizer):
                 block = self.shard.blocks[param]
                 tensors[self.names[param]]["block"] = [block.start, block.stop]
         return RankFile(
-            checkpoint_id=self.checkpoint_id, world_size=self.comm.world_size, rank=self.comm.rank, tensors=tensors,
+            checkpoint_id=self.checkpoint_id,
+            world_size=self.comm.world_size,
+            rank=self.comm.rank,
+            tensors=tensors,
             group_names=[[self.names[p] for p in group] for group in self.bit16_groups],
             shapes={self.names[p]: tuple(p.shape) for p in self.params},
             param_groups=[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-            loss_scaler=loss_scaler_fields(self.loss_scaler), overflow=self.overflow,
-            clip_grad=self.clip_grad).to_dict()
+            loss_scaler=loss_scaler_fields(self.loss_scaler),
+            overflow=self.overflow,
+            clip_grad=self.clip_grad,
+        ).to_dict()
 
     def expected_checkpoint_layout(self) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
         """Param-group membership and shapes, by name, that a checkpoint must match."""
-        return ([[self.names[p] for p in group] for group in self.bit16_groups],
-                {self.names[p]: tuple(p.shape) for p in self.params})
+        return (
+            [[self.names[p] for p in group] for group in self.bit16_groups],
+            {self.names[p]: tuple(p.shape) for p in self.params},
+        )
 
     @torch.no_grad()
     def load_from_source(self, source: CheckpointSource, load_optimizer_states: bool = True) -> None:
@@ -376,9 +426,11 @@ class TensorShardOptimizer(ZeROOptimizer):
             master.copy_(_owned_part(saved.master, param, block, master))
             self.optimizer.state.pop(master, None)
             if load_optimizer_states and saved.state:
-                state = {k: _owned_part(v, param, block, master).to(master.device).contiguous()
-                         if torch.is_tensor(v) else v
-                         for k, v in saved.state.items() if k != "step"}
+                state = {
+                    k: _owned_part(v, param, block, master).to(master.device).contiguous() if torch.is_tensor(v) else v
+                    for k, v in saved.state.items()
+                    if k != "step"
+                }
                 if "step" in saved.state:
                     state["step"] = step_value(self.optimizer, master, saved.state["step"])
                 self.optimizer.state[master] = state
@@ -397,11 +449,19 @@ class TensorShardOptimizer(ZeROOptimizer):
             param.data.copy_(master)
         gather_buckets(self.buckets, self.comm)
 
-    def load_state_dict(self, state_dict_list: Any = None, load_optimizer_states: bool = True,
-                        load_from_fp32_weights: bool = True, checkpoint_folder: Any = None,
-                        load_serial: Any = None, param_shapes: Any = None) -> None:
-        raise CheckpointError("ds_tensorshard loads checkpoints through engine.load_checkpoint(), which reads "
-                              "every rank's file by tensor name; the per-rank state_dict list is not used")
+    def load_state_dict(
+        self,
+        state_dict_list: Any = None,
+        load_optimizer_states: bool = True,
+        load_from_fp32_weights: bool = True,
+        checkpoint_folder: Any = None,
+        load_serial: Any = None,
+        param_shapes: Any = None,
+    ) -> None:
+        raise CheckpointError(
+            "ds_tensorshard loads checkpoints through engine.load_checkpoint(), which reads "
+            "every rank's file by tensor name; the per-rank state_dict list is not used"
+        )
 
     # -- weights loaded from outside (module-only loads, checkpoints without optimizer state) ----
     def _restore_from_bit16_weights(self) -> None:
@@ -413,12 +473,15 @@ class TensorShardOptimizer(ZeROOptimizer):
 
 def _check_plan_covers(plan: OwnershipPlan, params: list, world_size: int) -> None:
     if plan.world_size != world_size:
-        raise ValueError(f"the shared plan is for {plan.world_size} ranks but this engine's data-parallel group "
-                         f"has {world_size}")
+        raise ValueError(
+            f"the shared plan is for {plan.world_size} ranks but this engine's data-parallel group has {world_size}"
+        )
     missing = next((p for p in params if id(p) not in plan.param_names), None)
     if missing is not None:
-        raise ValueError(f"a trainable parameter of shape {tuple(missing.shape)} is not in the shared plan: "
-                         "initialize_many plans the models' named_parameters() that require grad")
+        raise ValueError(
+            f"a trainable parameter of shape {tuple(missing.shape)} is not in the shared plan: "
+            "initialize_many plans the models' named_parameters() that require grad"
+        )
 
 
 def _check_whole(plan: OwnershipPlan, params: list, names: dict, whole: set, optimizer: str) -> None:
@@ -427,19 +490,21 @@ def _check_whole(plan: OwnershipPlan, params: list, names: dict, whole: set, opt
     if split is not None:
         raise TensorShardConfigError(
             f"tensor '{split}' is split in the shared plan, but {optimizer} updates whole matrices; give the models "
-            "of initialize_many 'tensorshard.split_tensors': 'never'")
+            "of initialize_many 'tensorshard.split_tensors': 'never'"
+        )
 
 
 def _owned_part(saved: torch.Tensor, param: torch.nn.Parameter, block: Block, master: torch.Tensor) -> torch.Tensor:
     """This rank's block of a saved tensor shaped like ``param``; other saved state (factors) as it is."""
     if saved.numel() != param.numel():
         return saved
-    return saved.reshape(-1)[block.start:block.stop].view_as(master)
+    return saved.reshape(-1)[block.start : block.stop].view_as(master)
 
 
 def _transport(backend: str, group: Any, timeout_s: float) -> Transport:
     if backend == "mpi":
         from .mpi_comm import MpiComm
+
         return MpiComm(group, timeout_s)
     return TorchComm(group, timeout_s)
 
@@ -455,11 +520,14 @@ def _in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Mod
     strided = next((p for p in ordered if not p.is_contiguous()), None)
     if strided is not None:
         name = next(n for n, p in module.named_parameters() if p is strided)
-        raise ValueError(f"parameter '{name}' is not contiguous (strides {strided.stride()}); ds_tensorshard moves "
-                         "parameters as flat storage: make it contiguous before deepspeed.initialize")
+        raise ValueError(
+            f"parameter '{name}' is not contiguous (strides {strided.stride()}); ds_tensorshard moves "
+            "parameters as flat storage: make it contiguous before deepspeed.initialize"
+        )
     if len(ordered) != len(in_groups):
         stray = next(p for group in groups for p in group if p not in set(ordered))
-        raise ValueError(f"an optimizer parameter of shape {tuple(stray.shape)} is not a parameter of the model given "
-                         "to deepspeed.initialize; ds_tensorshard plans by parameter name")
+        raise ValueError(
+            f"an optimizer parameter of shape {tuple(stray.shape)} is not a parameter of the model given "
+            "to deepspeed.initialize; ds_tensorshard plans by parameter name"
+        )
     return ordered
-

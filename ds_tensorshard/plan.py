@@ -28,6 +28,7 @@ does not fit whole on rank 0::
     a -> rank 0 (6, 0);  b -> rank 1 (6, 4);  c -> rank 1 (6, 7);
     d -> elements [0, 2) on rank 0 (8, 7), elements [2, 3) on rank 1 (8, 8)
 """
+
 from __future__ import annotations
 
 import heapq
@@ -81,8 +82,10 @@ class OwnershipPlan:
         name = self.name_of(tensor)
         blocks = self.blocks[name]
         if len(blocks) != 1:
-            raise ValueError(f"tensor '{name}' is split into {len(blocks)} blocks owned by ranks "
-                             f"{[b.rank for b in blocks]}; see plan.blocks['{name}']")
+            raise ValueError(
+                f"tensor '{name}' is split into {len(blocks)} blocks owned by ranks "
+                f"{[b.rank for b in blocks]}; see plan.blocks['{name}']"
+            )
         return blocks[0].rank
 
     def blocks_of(self, tensor: str | torch.Tensor) -> tuple[Block, ...]:
@@ -122,9 +125,14 @@ class OwnershipPlan:
 TensorSpec = tuple[str, int | Sequence[int]]
 
 
-def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: Mapping[int, str] | None = None,
-                   split: SplitMode = "auto", unsplittable: AbstractSet[str] = frozenset(),
-                   work: Mapping[str, float] | None = None) -> OwnershipPlan:
+def plan_ownership(
+    tensors: Iterable[TensorSpec],
+    world_size: int,
+    param_names: Mapping[int, str] | None = None,
+    split: SplitMode = "auto",
+    unsplittable: AbstractSet[str] = frozenset(),
+    work: Mapping[str, float] | None = None,
+) -> OwnershipPlan:
     """Split named tensors ``(name, shape)`` into ``world_size`` sets balanced by element count.
 
     A bare int is the element count of a 1-D tensor.
@@ -146,15 +154,22 @@ def plan_ownership(tensors: Iterable[TensorSpec], world_size: int, param_names: 
     ideal = sum(numels.values()) / world_size
     if split == "auto" and ideal and max(loads) > TARGET_IMBALANCE * ideal:
         row_numel = {name: math.prod(shape[1:]) for name, shape in shapes.items()}
-        blocks, loads = _fill_with_blocks(order, numels, row_numel, start, int(TARGET_IMBALANCE * ideal),
-                                          FILL * ideal, unsplittable)
-    return OwnershipPlan(world_size=world_size, blocks={**placed, **blocks}, numels=numels,
-                         numel_per_rank=tuple(loads), param_names=dict(param_names or {}),
-                         work_per_rank=tuple(work_loads) if work else ())
+        blocks, loads = _fill_with_blocks(
+            order, numels, row_numel, start, int(TARGET_IMBALANCE * ideal), FILL * ideal, unsplittable
+        )
+    return OwnershipPlan(
+        world_size=world_size,
+        blocks={**placed, **blocks},
+        numels=numels,
+        numel_per_rank=tuple(loads),
+        param_names=dict(param_names or {}),
+        work_per_rank=tuple(work_loads) if work else (),
+    )
 
 
-def _by_work(work: Mapping[str, float], numels: Mapping[str, int],
-             world_size: int) -> tuple[dict[str, tuple[Block, ...]], list[int], list[float]]:
+def _by_work(
+    work: Mapping[str, float], numels: Mapping[str, int], world_size: int
+) -> tuple[dict[str, tuple[Block, ...]], list[int], list[float]]:
     """Tensors with a compute cost, whole, largest cost first onto the rank with the least work; returns
     their blocks, the element counts and the work they leave on each rank."""
     heap = [(0.0, rank) for rank in range(world_size)]
@@ -169,8 +184,9 @@ def _by_work(work: Mapping[str, float], numels: Mapping[str, int],
     return blocks, loads, work_loads
 
 
-def _largest_first(order: Sequence[str], numels: Mapping[str, int],
-                   start: Sequence[int]) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
+def _largest_first(
+    order: Sequence[str], numels: Mapping[str, int], start: Sequence[int]
+) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
     """Whole tensors, largest first onto the emptiest rank, from per-rank loads ``start``."""
     loads = list(start)
     heap = [(load, rank) for rank, load in enumerate(loads)]
@@ -184,9 +200,15 @@ def _largest_first(order: Sequence[str], numels: Mapping[str, int],
     return blocks, loads
 
 
-def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel: Mapping[str, int],
-                      start: Sequence[int], limit: int, fill: float,
-                      unsplittable: AbstractSet[str]) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
+def _fill_with_blocks(
+    order: Sequence[str],
+    numels: Mapping[str, int],
+    row_numel: Mapping[str, int],
+    start: Sequence[int],
+    limit: int,
+    fill: float,
+    unsplittable: AbstractSet[str],
+) -> tuple[dict[str, tuple[Block, ...]], list[int]]:
     """Largest first onto the emptiest rank while it stays within ``limit``; a tensor that does not fit is
     cut into blocks of whole rows, each filling the then emptiest rank (one that holds no block of it yet)
     to ``fill`` (to the nearest row)."""
@@ -205,8 +227,11 @@ def _fill_with_blocks(order: Sequence[str], numels: Mapping[str, int], row_numel
             continue
         cut, first, skipped = [], 0, []
         while first < numel:
-            rows = max(math.floor((fill - load) / row + 0.5),  # to the nearest row: within half a row of fill,
-                       -(-(numel - first) // ((world_size - len(cut)) * row)), 1)  # but no rank left short
+            rows = max(
+                math.floor((fill - load) / row + 0.5),  # to the nearest row: within half a row of fill,
+                -(-(numel - first) // ((world_size - len(cut)) * row)),
+                1,
+            )  # but no rank left short
             last_rank = len(cut) == world_size - 1  # every other rank holds a block of it already
             stop = numel if last_rank else min(first + rows * row, numel)
             cut.append(Block(rank, first, stop))

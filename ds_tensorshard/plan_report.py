@@ -6,6 +6,7 @@ owner is sent once by every other rank (pipelined along the ring ending at the o
 broadcast from an owner once by every rank but the ring's last (the rank before the owner); a
 ring all-reduce of N elements sends 2 (n - 1) / n N per rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ def all_reduce_sent(numel: int, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * numel
 
 
-def meta_buckets(shapes: Shapes, plan: OwnershipPlan, bucket_numel: int,
-                 dtype: torch.dtype = torch.float32) -> list[Bucket]:
+def meta_buckets(
+    shapes: Shapes, plan: OwnershipPlan, bucket_numel: int, dtype: torch.dtype = torch.float32
+) -> list[Bucket]:
     """The buckets a run would build, over meta tensors in backward (reverse registration) order."""
     params = [torch.nn.Parameter(torch.empty(tuple(shape), device="meta", dtype=dtype)) for _, shape in shapes]
     blocks = {id(p): plan.blocks[name] for p, (name, _) in zip(params, shapes)}
@@ -73,22 +75,32 @@ def newton_schulz_report(shapes: Shapes, plan: OwnershipPlan, muon: list[str]) -
             stock_work[rank] += work[name]
             stock_momentum[rank] += numel
         offset += numel
-    return {"matrices": len(muon), "work_fullest_over_ideal": max(plan.work_per_rank) / ideal if ideal else 1.0,
-            "work_bound": max(max(work.values(), default=0.0), ideal) / ideal if ideal else 1.0,
-            "momentum_fullest": max(momentum), "momentum_ideal": flat_total / n,
-            "stock_work_fullest_over_ideal": max(stock_work) / ideal if ideal else 1.0,
-            "stock_momentum_fullest": max(stock_momentum)}
+    return {
+        "matrices": len(muon),
+        "work_fullest_over_ideal": max(plan.work_per_rank) / ideal if ideal else 1.0,
+        "work_bound": max(max(work.values(), default=0.0), ideal) / ideal if ideal else 1.0,
+        "momentum_fullest": max(momentum),
+        "momentum_ideal": flat_total / n,
+        "stock_work_fullest_over_ideal": max(stock_work) / ideal if ideal else 1.0,
+        "stock_momentum_fullest": max(stock_momentum),
+    }
 
 
-def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto",
-                optimizer: str = "adam") -> dict[str, Any]:
+def plan_report(
+    shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto", optimizer: str = "adam"
+) -> dict[str, Any]:
     """Balance, splits, buckets and wire volume of one world size, with the whole-tensor plan beside it;
     for ``optimizer="muon"`` also the Newton-Schulz work and momentum per rank against stock's rule."""
     started = time.perf_counter()
     muon = muon_matrices(shapes) if optimizer == "muon" else []
     shape_of = dict(shapes)
-    plan = plan_ownership(shapes, world_size, split=split, unsplittable=set(muon),
-                          work={name: newton_schulz_work(tuple(shape_of[name])) for name in muon})
+    plan = plan_ownership(
+        shapes,
+        world_size,
+        split=split,
+        unsplittable=set(muon),
+        work={name: newton_schulz_work(tuple(shape_of[name])) for name in muon},
+    )
     buckets = meta_buckets(shapes, plan, bucket_numel)
     seconds = time.perf_counter() - started
     never = plan if split == "never" else plan_ownership(shapes, world_size, split="never")
@@ -96,13 +108,23 @@ def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: Split
     reference = all_reduce_sent(plan.total_numel, world_size)
     largest = max(shapes, key=lambda s: math.prod(s[1]))
     return {
-        "world_size": world_size, "split_tensors": split, "tensors": len(shapes), "total_numel": plan.total_numel,
-        "ideal_numel": plan.total_numel / world_size, "fullest_numel": max(plan.numel_per_rank),
-        "emptiest_numel": min(plan.numel_per_rank), "imbalance": plan.imbalance,
+        "world_size": world_size,
+        "split_tensors": split,
+        "tensors": len(shapes),
+        "total_numel": plan.total_numel,
+        "ideal_numel": plan.total_numel / world_size,
+        "fullest_numel": max(plan.numel_per_rank),
+        "emptiest_numel": min(plan.numel_per_rank),
+        "imbalance": plan.imbalance,
         "largest_tensor": {"name": largest[0], "numel": math.prod(largest[1])},
-        "split": plan.split, "never_imbalance": never.imbalance, "never_bound": never.imbalance_bound,
-        "buckets": len(buckets), "largest_buffer": max((b.numel for b in buckets), default=0),
-        "bucket_numel": bucket_numel, "sent_per_rank_max": max(sent, default=0), "all_reduce_sent": reference,
+        "split": plan.split,
+        "never_imbalance": never.imbalance,
+        "never_bound": never.imbalance_bound,
+        "buckets": len(buckets),
+        "largest_buffer": max((b.numel for b in buckets), default=0),
+        "bucket_numel": bucket_numel,
+        "sent_per_rank_max": max(sent, default=0),
+        "all_reduce_sent": reference,
         "wire_ratio": max(sent, default=0) / reference if reference else 1.0,
         "plan_and_buckets_s": seconds,
         "numel_per_rank": list(plan.numel_per_rank),
@@ -112,12 +134,15 @@ def plan_report(shapes: Shapes, world_size: int, bucket_numel: int, split: Split
 
 def format_report(report: dict[str, Any]) -> list[str]:
     split = sorted(report["split"].items(), key=lambda item: (-item[1], item[0]))
-    split_text = ", ".join(f"{name} x{n}" for name, n in split[:6]) + (f" (+{len(split) - 6} more)" if len(split) > 6 else "")
+    split_text = ", ".join(f"{name} x{n}" for name, n in split[:6]) + (
+        f" (+{len(split) - 6} more)" if len(split) > 6 else ""
+    )
     split_text = f"{len(split)}: {split_text}" if split else "none"
     lines = [
         f"world size {report['world_size']} (split_tensors={report['split_tensors']}): {report['tensors']} tensors, "
         f"{report['total_numel']:,} elements, {report['total_numel'] / report['world_size']:,.0f} per rank ideally",
-        f"  fullest rank / ideal {report['imbalance']:.4f} (emptiest {report['emptiest_numel'] / report['ideal_numel']:.4f}); "
+        f"  fullest rank / ideal {report['imbalance']:.4f} "
+        f"(emptiest {report['emptiest_numel'] / report['ideal_numel']:.4f}); "
         f"whole tensors only ('never'): {report['never_imbalance']:.4f}, best possible {report['never_bound']:.4f}",
         f"  split tensors (blocks): {split_text}",
         f"  buckets {report['buckets']}, largest flat buffer {report['largest_buffer']:,} elements "
@@ -127,11 +152,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
     ]
     if "newton_schulz" in report:
         ns = report["newton_schulz"]
-        lines.append(f"  Muon ({ns['matrices']} matrices): Newton-Schulz work, fullest rank / ideal "
-                     f"{ns['work_fullest_over_ideal']:.3f} (whole matrices allow {ns['work_bound']:.3f}; stock ZeRO's "
-                     f"slices {ns['stock_work_fullest_over_ideal']:.3f}); momentum on the fullest rank "
-                     f"{ns['momentum_fullest']:,} elements (ideal {ns['momentum_ideal']:,.0f}; stock "
-                     f"{ns['stock_momentum_fullest']:,})")
+        lines.append(
+            f"  Muon ({ns['matrices']} matrices): Newton-Schulz work, fullest rank / ideal "
+            f"{ns['work_fullest_over_ideal']:.3f} (whole matrices allow {ns['work_bound']:.3f}; stock ZeRO's "
+            f"slices {ns['stock_work_fullest_over_ideal']:.3f}); momentum on the fullest rank "
+            f"{ns['momentum_fullest']:,} elements (ideal {ns['momentum_ideal']:,.0f}; stock "
+            f"{ns['stock_momentum_fullest']:,})"
+        )
     if report["world_size"] <= 8:
         lines += [f"  rank {r}: {numel:,}" for r, numel in enumerate(report["numel_per_rank"])]
     return lines

@@ -4,6 +4,7 @@ A bar is drawn only when stdout is a terminal (``DS_TENSORSHARD_PROGRESS=1`` for
 otherwise :func:`bar` returns an object with the same methods that prints nothing, so a log or a pipe
 gets the command's results and no carriage-return noise.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,6 +50,7 @@ def bar(total: int | None, desc: str, unit: str = "it", show: bool | None = None
     if not (interactive() if show is None else show):
         return _Silent()
     from tqdm import tqdm
+
     stream = sys.stderr if sys.stderr.isatty() else sys.stdout
     return tqdm(total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True)
 
@@ -65,4 +67,5 @@ def terminal_callback(desc: str, unit: str = "tensor") -> Callable[[int, int], N
         state["done"] = done
         if done >= total:
             state["bar"].close()
+
     return report

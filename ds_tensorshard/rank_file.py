@@ -5,6 +5,7 @@ under ``optimizer_state_dict``; that payload is a :class:`RankFile`. It holds on
 plain values, so it loads with ``torch.load(weights_only=True)`` and nothing else. Tensors are
 whole and keyed by parameter name, so any world size can read them.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,9 +43,14 @@ def restore_loss_scaler(fields: Mapping[str, Any], dtype: torch.dtype) -> LossSc
     """The scaler that :func:`loss_scaler_fields` describes (dynamic or static, as it was saved)."""
     if fields.get("dynamic"):
         scaler: LossScalerBase = DynamicLossScaler(
-            init_scale=fields["cur_scale"], scale_window=fields["scale_window"], min_scale=fields["min_scale"],
-            delayed_shift=fields["delayed_shift"], consecutive_hysteresis=fields["consecutive_hysteresis"],
-            raise_error_at_min_scale=fields.get("raise_error_at_min_scale", True), dtype=dtype)
+            init_scale=fields["cur_scale"],
+            scale_window=fields["scale_window"],
+            min_scale=fields["min_scale"],
+            delayed_shift=fields["delayed_shift"],
+            consecutive_hysteresis=fields["consecutive_hysteresis"],
+            raise_error_at_min_scale=fields.get("raise_error_at_min_scale", True),
+            dtype=dtype,
+        )
     else:
         scaler = LossScaler(scale=fields["cur_scale"])
     for key, value in fields.items():
@@ -73,10 +79,19 @@ class RankFile:
     version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {FORMAT_KEY: self.version, "checkpoint_id": self.checkpoint_id, "world_size": self.world_size,
-                "rank": self.rank, "tensors": self.tensors, "group_names": self.group_names,
-                "shapes": {n: list(s) for n, s in self.shapes.items()}, "param_groups": self.param_groups,
-                "loss_scaler": self.loss_scaler, "overflow": self.overflow, "clip_grad": self.clip_grad}
+        return {
+            FORMAT_KEY: self.version,
+            "checkpoint_id": self.checkpoint_id,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "tensors": self.tensors,
+            "group_names": self.group_names,
+            "shapes": {n: list(s) for n, s in self.shapes.items()},
+            "param_groups": self.param_groups,
+            "loss_scaler": self.loss_scaler,
+            "overflow": self.overflow,
+            "clip_grad": self.clip_grad,
+        }
 
     @staticmethod
     def holds(payload: Mapping[str, Any]) -> bool:
@@ -87,20 +102,31 @@ class RankFile:
     def from_dict(cls, payload: Mapping[str, Any], path: str) -> RankFile:
         version = payload.get(FORMAT_KEY)
         if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
-            raise CheckpointError(f"{path} has ds_tensorshard format version {version!r}; this ds_tensorshard "
-                                  f"reads versions 1 to {FORMAT_VERSION}")
+            raise CheckpointError(
+                f"{path} has ds_tensorshard format version {version!r}; this ds_tensorshard "
+                f"reads versions 1 to {FORMAT_VERSION}"
+            )
         try:
             scaler = payload["loss_scaler"]
             if isinstance(scaler, LossScalerBase):  # version 1
                 scaler = loss_scaler_fields(scaler)
-            tensors = {name: {k: v for k, v in entry.items() if v is not None}
-                       for name, entry in payload["tensors"].items()}
-            return cls(checkpoint_id=payload["checkpoint_id"], world_size=int(payload["world_size"]),
-                       rank=int(payload["rank"]), tensors=tensors,
-                       group_names=[list(names) for names in payload["group_names"]],
-                       shapes={n: tuple(s) for n, s in payload["shapes"].items()},
-                       param_groups=[dict(g) for g in payload["param_groups"]], loss_scaler=dict(scaler or {}),
-                       overflow=bool(payload["overflow"]), clip_grad=float(payload["clip_grad"]), version=version)
+            tensors = {
+                name: {k: v for k, v in entry.items() if v is not None} for name, entry in payload["tensors"].items()
+            }
+            return cls(
+                checkpoint_id=payload["checkpoint_id"],
+                world_size=int(payload["world_size"]),
+                rank=int(payload["rank"]),
+                tensors=tensors,
+                group_names=[list(names) for names in payload["group_names"]],
+                shapes={n: tuple(s) for n, s in payload["shapes"].items()},
+                param_groups=[dict(g) for g in payload["param_groups"]],
+                loss_scaler=dict(scaler or {}),
+                overflow=bool(payload["overflow"]),
+                clip_grad=float(payload["clip_grad"]),
+                version=version,
+            )
         except (KeyError, TypeError, AttributeError) as err:
-            raise CheckpointError(f"{path} is a damaged ds_tensorshard rank file ({type(err).__name__}: {err})") \
-                from None
+            raise CheckpointError(
+                f"{path} is a damaged ds_tensorshard rank file ({type(err).__name__}: {err})"
+            ) from None

@@ -1,4 +1,5 @@
 """Reduce: the mean of each tensor's gradient, summed over ranks onto its owner."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,15 +41,22 @@ class Averaging:
         if engine.zero_reduce_scatter() or not engine.zero_contiguous_gradients() or not engine.postscale_gradients():
             return cls(divide_before=data_parallel, comm_dtype=comm_dtype)
         predivide = float(engine.gradient_predivide_factor())
-        return cls(scale_before=1.0 / predivide,
-                   scale_after=1.0 if predivide == world_size else predivide / data_parallel, comm_dtype=comm_dtype)
+        return cls(
+            scale_before=1.0 / predivide,
+            scale_after=1.0 if predivide == world_size else predivide / data_parallel,
+            comm_dtype=comm_dtype,
+        )
 
 
 IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive
 
 
-def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
-                 gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None]) -> Pending:
+def start_reduce(
+    bucket: Bucket,
+    comm: Transport,
+    averaging: Averaging,
+    gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+) -> Pending:
     """Pack the bucket's gradients (missing ones count as zeros) and start one reduce per owner present.
 
     The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
@@ -59,7 +67,7 @@ def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    pending = [comm.start_reduce(flat[s.offset:s.offset + s.numel], s.owner) for s in bucket.segments]
+    pending = [comm.start_reduce(flat[s.offset : s.offset + s.numel], s.owner) for s in bucket.segments]
     mine = bucket.segment_of(comm.rank)
 
     def finish() -> torch.Tensor | None:
@@ -67,11 +75,12 @@ def start_reduce(bucket: Bucket, comm: Transport, averaging: Averaging,
             p.wait()
         if mine is None:
             return None
-        segment = flat[mine.offset:mine.offset + mine.numel]
+        segment = flat[mine.offset : mine.offset + mine.numel]
         if averaging.scale_after != 1.0:
             segment.mul_(averaging.scale_after)
         # back in the gradients' own dtype, where stock rounds a wider communication dtype's sums
         return segment.to(bucket.dtype) if segment.dtype != bucket.dtype else segment.clone()
+
     return Pending(finish, flat)
 
 
@@ -86,13 +95,19 @@ class OverlappedReducer:
     that order, so a tensor produced late never holds back buckets of gradients produced early.
     """
 
-    def __init__(self, buckets: list[Bucket], comm: Transport, averaging: Averaging,
-                 deliver: Callable[[Bucket, torch.Tensor], None], params: Sequence[torch.nn.Parameter],
-                 name_of: Callable[[torch.nn.Parameter], str],
-                 rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]],
-                 gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
-                 release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None),
-                 step_of: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        comm: Transport,
+        averaging: Averaging,
+        deliver: Callable[[Bucket, torch.Tensor], None],
+        params: Sequence[torch.nn.Parameter],
+        name_of: Callable[[torch.nn.Parameter], str],
+        rebuild: Callable[[list[torch.nn.Parameter]], list[Bucket]],
+        gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
+        release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None),
+        step_of: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
         self.gradient_of, self.release, self.step_of = gradient_of, release, step_of
         self.params = list(params)
@@ -125,7 +140,8 @@ class OverlappedReducer:
             raise RuntimeError(
                 f"ds_tensorshard: the gradient of '{self.name_of(param)}' was delivered twice in one backward (a "
                 "parameter reused under reentrant activation checkpointing?); its bucket would be reduced with a "
-                "partial gradient. Use non-reentrant checkpointing (use_reentrant=False)")
+                "partial gradient. Use non-reentrant checkpointing (use_reentrant=False)"
+            )
         self.seen.add(id(param))
         if self.observed is not None:
             self.observed.append(param)
@@ -170,16 +186,21 @@ class OverlappedReducer:
         order = self.observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
         position = {id(p): i for i, p in enumerate(self.params)}
         agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
-        wait_or_fail(self.comm.start_broadcast(agreed, 0).wait, self.comm,
-                     lambda: f"step {self.step_of()}, agreeing on the order backward produces gradients in")
+        wait_or_fail(
+            self.comm.start_broadcast(agreed, 0).wait,
+            self.comm,
+            lambda: f"step {self.step_of()}, agreeing on the order backward produces gradients in",
+        )
         self.observed = None
         self._use(self.rebuild([self.params[i] for i in agreed.tolist()]))
 
     def describe(self, index: int, bucket: Bucket, kind: str) -> str:
         """Where a collective of bucket ``index`` belongs, for an error."""
         first = bucket.segments[0].pieces[0].param
-        return (f"step {self.step_of()}, {kind} of bucket {index} of {len(self.buckets)} (first tensor "
-                f"'{self.name_of(first)}', {bucket.numel:,} elements)")
+        return (
+            f"step {self.step_of()}, {kind} of bucket {index} of {len(self.buckets)} (first tensor "
+            f"'{self.name_of(first)}', {bucket.numel:,} elements)"
+        )
 
     def drain(self) -> None:
         """Complete every reduction still in flight."""

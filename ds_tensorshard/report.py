@@ -7,6 +7,7 @@ ds_tensorshard's checks (the ones ``deepspeed.initialize`` runs, with the same m
 ``--world-size``, the ownership plan of a model at those world sizes (as ``ds-tensorshard plan``).
 The MPI library is probed in a child process with a deadline, so a broken MPI cannot hang the report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,25 +53,37 @@ def versions() -> dict[str, Any]:
 
     from . import __version__
     from .versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
+
     try:
         check_deepspeed_version(deepspeed.__version__)
         supported = None
     except UnsupportedDeepSpeedVersion as err:
         supported = str(err)
-    return {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "deepspeed": deepspeed.__version__, "deepspeed_unsupported": supported, "ds_tensorshard": __version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "deepspeed": deepspeed.__version__,
+        "deepspeed_unsupported": supported,
+        "ds_tensorshard": __version__,
+    }
 
 
 def mpi_info(timeout_s: float = MPI_PROBE_TIMEOUT_S) -> dict[str, Any]:
     """mpi4py's version, the MPI library's version string and CUDA-awareness, probed in a child process."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _MPI_PROBE], capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, "-c", _MPI_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"importing mpi4py's MPI did not finish within {timeout_s:.0f} s (MPI_Init hangs here)"}
     for line in proc.stdout.splitlines():
         if line.startswith("MPIPROBE "):
-            found = json.loads(line[len("MPIPROBE "):])
+            found = json.loads(line[len("MPIPROBE ") :])
             if found.get("cuda_aware") is None and "library_text" in found:
                 found["cuda_aware"] = _cuda_from_build(found.pop("library_text"))
             found.pop("library_text", None)
@@ -85,8 +98,9 @@ def _cuda_from_build(library_text: str) -> bool | None:
         return "cuda" in library_text.lower()
     if library_text.startswith("Open MPI") and shutil.which("ompi_info"):
         try:
-            info = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True, text=True,
-                                  timeout=MPI_PROBE_TIMEOUT_S).stdout
+            info = subprocess.run(
+                ["ompi_info", "--parsable", "--all"], capture_output=True, text=True, timeout=MPI_PROBE_TIMEOUT_S
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return None
         for line in info.splitlines():
@@ -102,28 +116,42 @@ def launchers() -> dict[str, str | None]:
 
 def accelerator() -> dict[str, Any]:
     from deepspeed.accelerator import get_accelerator
+
     acc = get_accelerator()
-    return {"name": acc.device_name(), "communication_backend": acc.communication_backend_name(),
-            "device_count": acc.device_count(), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR")}
+    return {
+        "name": acc.device_name(),
+        "communication_backend": acc.communication_backend_name(),
+        "device_count": acc.device_count(),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR"),
+    }
 
 
 def transports(mpi: Mapping[str, Any], accel: Mapping[str, Any]) -> dict[str, str]:
     """Which ``tensorshard.comm_backend`` values can run here, and why not where one cannot."""
     import torch.distributed as tdist
+
     found = {}
     if not tdist.is_available():
         found["torch"] = "no: this torch was built without torch.distributed"
     else:
         backend = accel["communication_backend"]
-        available = {"gloo": tdist.is_gloo_available(), "nccl": tdist.is_nccl_available(),
-                     "mpi": tdist.is_mpi_available()}.get(backend, True)
+        available = {
+            "gloo": tdist.is_gloo_available(),
+            "nccl": tdist.is_nccl_available(),
+            "mpi": tdist.is_mpi_available(),
+        }.get(backend, True)
         found["torch"] = f"yes ({backend})" if available else f"no: torch has no {backend} backend"
     if "error" in mpi:
-        found["mpi"] = f"no: mpi4py {mpi['error']} (pip install 'ds_tensorshard[mpi]', see README 'Running on a cluster')"
+        found["mpi"] = (
+            f"no: mpi4py {mpi['error']} (pip install 'ds_tensorshard[mpi]', see README 'Running on a cluster')"
+        )
     else:
         launcher = next((p for p in (shutil.which("mpiexec"), shutil.which("mpirun")) if p), None)
-        found["mpi"] = ("yes, " + (f"launch with {launcher}" if launcher else
-                                   "but no mpiexec/mpirun on PATH: ranks must come from an MPI launcher"))
+        found["mpi"] = "yes, " + (
+            f"launch with {launcher}"
+            if launcher
+            else "but no mpiexec/mpirun on PATH: ranks must come from an MPI launcher"
+        )
     return found
 
 
@@ -131,6 +159,7 @@ def extension_roots() -> list[str]:
     """Where torch keeps JIT-built extensions: ``TORCH_EXTENSIONS_DIR`` if set, and torch's default folder."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
+
     roots = []
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         roots.append(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -147,6 +176,7 @@ def fused_adam() -> dict[str, Any]:
     torch uses now (the first entry of :func:`extension_roots`)."""
     try:
         from deepspeed.git_version_info import installed_ops
+
         prebuilt = bool(installed_ops.get(FUSED_ADAM))
     except ImportError:
         prebuilt = False
@@ -185,12 +215,25 @@ def build_locks(roots: list[str] | None = None, now: float | None = None) -> lis
             age = now - os.path.getmtime(path)
             workers = _processes_in(os.path.dirname(path))
             stale = age > STALE_LOCK_AGE_S or (not workers and age > LOCK_GRACE_S)
-            why = (f"older than any build ({age:.0f} s)" if age > STALE_LOCK_AGE_S else
-                   f"no process is building there (lock {age:.0f} s old)" if stale else
-                   f"a build is running (process {', '.join(map(str, workers))})" if workers else
-                   f"just created ({age:.0f} s ago)")
-            locks.append({"path": path, "op": name, "age_s": round(age, 1), "stale": stale, "why": why,
-                          "fix": f"rm {path}" if stale else None})
+            why = (
+                f"older than any build ({age:.0f} s)"
+                if age > STALE_LOCK_AGE_S
+                else f"no process is building there (lock {age:.0f} s old)"
+                if stale
+                else f"a build is running (process {', '.join(map(str, workers))})"
+                if workers
+                else f"just created ({age:.0f} s ago)"
+            )
+            locks.append(
+                {
+                    "path": path,
+                    "op": name,
+                    "age_s": round(age, 1),
+                    "stale": stale,
+                    "why": why,
+                    "fix": f"rm {path}" if stale else None,
+                }
+            )
     return locks
 
 
@@ -210,6 +253,7 @@ def _without_auto(value: Any) -> Any:
 def load_config(path: str) -> dict[str, Any]:
     """A DeepSpeed config file as DeepSpeed reads it (hjson, which accepts plain JSON)."""
     import hjson
+
     with open(path) as f:
         config = hjson.load(f, object_pairs_hook=dict)
     if not isinstance(config, dict):
@@ -225,16 +269,25 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
     rank, so that check is made here at ``world_size`` (not at all without one: a note says so) and DeepSpeed
     is given the per-rank batch sizes."""
     from .config import TensorShardConfigError, validate_engine_config
-    result: dict[str, Any] = {"auto_keys": _auto_keys(config), "deepspeed": None, "tensorshard": None,
-                              "accepted": False}
+
+    result: dict[str, Any] = {
+        "auto_keys": _auto_keys(config),
+        "deepspeed": None,
+        "tensorshard": None,
+        "accepted": False,
+    }
     plain = _without_auto(config)
-    batch = [plain.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    batch = [
+        plain.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    ]
     if world_size is not None and all(isinstance(v, int) for v in batch):
         train, micro, gas = batch
         if train != micro * gas * world_size:
-            result["deepspeed"] = (f"Check batch related parameters. train_batch_size is not equal to "
-                                   f"micro_batch_per_gpu * gradient_acc_step * world_size "
-                                   f"{train} != {micro} * {gas} * {world_size}")
+            result["deepspeed"] = (
+                f"Check batch related parameters. train_batch_size is not equal to "
+                f"micro_batch_per_gpu * gradient_acc_step * world_size "
+                f"{train} != {micro} * {gas} * {world_size}"
+            )
             return result
     if world_size is not None or (isinstance(batch[0], int) and any(isinstance(v, int) for v in batch[1:])):
         if world_size is None:
@@ -244,6 +297,7 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
         plain["train_micro_batch_size_per_gpu"] = 1  # the framework sets it from its own batch size
     try:
         from deepspeed.runtime.config import DeepSpeedConfig
+
         DeepSpeedConfig(dict(plain))
         result["deepspeed"] = "accepted"
     except Exception as err:  # DeepSpeed raises assertion, value and pydantic errors alike
@@ -254,8 +308,11 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
     except TensorShardConfigError as err:
         result["tensorshard"] = f"TensorShardConfigError: {err}"
         return result
-    result["tensorshard"] = ("accepted: " + json.dumps(enabled.model_dump()) if enabled is not None else
-                             "not enabled (no 'tensorshard' block with \"enabled\": true): DeepSpeed runs as stock")
+    result["tensorshard"] = (
+        "accepted: " + json.dumps(enabled.model_dump())
+        if enabled is not None
+        else "not enabled (no 'tensorshard' block with \"enabled\": true): DeepSpeed runs as stock"
+    )
     result["accepted"] = True
     result["enabled"] = enabled is not None
     if enabled is not None:
@@ -265,11 +322,22 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
 
 
 # -- assembling and printing ------------------------------------------------------------------
-def gather(config_path: str | None = None, world_sizes: list[int] | None = None,
-           shapes: Any = None, split: str = "auto", bucket: int | None = None) -> dict[str, Any]:
+def gather(
+    config_path: str | None = None,
+    world_sizes: list[int] | None = None,
+    shapes: Any = None,
+    split: str = "auto",
+    bucket: int | None = None,
+) -> dict[str, Any]:
     """Everything the report shows, as one JSON-able dict."""
-    report: dict[str, Any] = {"versions": versions(), "mpi": mpi_info(), "launchers": launchers(),
-                              "accelerator": accelerator(), "fused_adam": fused_adam(), "build_locks": build_locks()}
+    report: dict[str, Any] = {
+        "versions": versions(),
+        "mpi": mpi_info(),
+        "launchers": launchers(),
+        "accelerator": accelerator(),
+        "fused_adam": fused_adam(),
+        "build_locks": build_locks(),
+    }
     report["transports"] = transports(report["mpi"], report["accelerator"])
     config = None
     if config_path is not None:
@@ -282,60 +350,87 @@ def gather(config_path: str | None = None, world_sizes: list[int] | None = None,
     if world_sizes and shapes is not None:
         from .config import DEFAULT_BUCKET_NUMEL, TensorShardConfig, bucket_numel
         from .plan_report import plan_report
+
         if config is not None and report["config"]["accepted"] and report["config"].get("enabled"):
             split = report["config"]["split_tensors"]
-            bucket = bucket or bucket_numel(TensorShardConfig(**_without_auto(config.get("tensorshard", {}))),
-                                            _without_auto(config))
+            bucket = bucket or bucket_numel(
+                TensorShardConfig(**_without_auto(config.get("tensorshard", {}))), _without_auto(config)
+            )
         report["plans"] = [plan_report(shapes, n, bucket or DEFAULT_BUCKET_NUMEL, split) for n in world_sizes]
     return report
 
 
 def format_text(report: Mapping[str, Any]) -> list[str]:
     v, mpi, acc, fa = report["versions"], report["mpi"], report["accelerator"], report["fused_adam"]
-    lines = ["ds_tensorshard report", "-" * 60,
-             f"python           {v['python']}",
-             f"torch            {v['torch']}" + (f" (CUDA {v['torch_cuda']})" if v["torch_cuda"] else " (CPU build)"),
-             f"deepspeed        {v['deepspeed']}" + (f"  NOT SUPPORTED: {v['deepspeed_unsupported']}"
-                                                     if v["deepspeed_unsupported"] else "  (supported)"),
-             f"ds_tensorshard   {v['ds_tensorshard']}"]
+    lines = [
+        "ds_tensorshard report",
+        "-" * 60,
+        f"python           {v['python']}",
+        f"torch            {v['torch']}" + (f" (CUDA {v['torch_cuda']})" if v["torch_cuda"] else " (CPU build)"),
+        f"deepspeed        {v['deepspeed']}"
+        + (f"  NOT SUPPORTED: {v['deepspeed_unsupported']}" if v["deepspeed_unsupported"] else "  (supported)"),
+        f"ds_tensorshard   {v['ds_tensorshard']}",
+    ]
     if "error" in mpi:
         lines.append(f"mpi4py           {mpi.get('mpi4py', '-')}: {mpi['error']}")
     else:
-        aware = {True: "yes", False: "no (CUDA tensors are staged through pinned host memory)",
-                 None: "unknown (neither mpi4py nor the library tells): treated as no"}[mpi.get("cuda_aware")]
-        lines += [f"mpi4py           {mpi['mpi4py']}", f"MPI library      {mpi['library']} (MPI {mpi['standard']})",
-                  f"CUDA-aware MPI   {aware}"]
+        aware = {
+            True: "yes",
+            False: "no (CUDA tensors are staged through pinned host memory)",
+            None: "unknown (neither mpi4py nor the library tells): treated as no",
+        }[mpi.get("cuda_aware")]
+        lines += [
+            f"mpi4py           {mpi['mpi4py']}",
+            f"MPI library      {mpi['library']} (MPI {mpi['standard']})",
+            f"CUDA-aware MPI   {aware}",
+        ]
     lines.append("launchers        " + ", ".join(f"{k}: {p or 'not found'}" for k, p in report["launchers"].items()))
-    lines.append(f"accelerator      {acc['name']} x{acc['device_count']}, communication backend "
-                 f"{acc['communication_backend']}" + (f" (DS_ACCELERATOR={acc['DS_ACCELERATOR']})"
-                                                      if acc["DS_ACCELERATOR"] else ""))
+    lines.append(
+        f"accelerator      {acc['name']} x{acc['device_count']}, communication backend "
+        f"{acc['communication_backend']}"
+        + (f" (DS_ACCELERATOR={acc['DS_ACCELERATOR']})" if acc["DS_ACCELERATOR"] else "")
+    )
     for name, state in report["transports"].items():
         lines.append(f"comm_backend {name!r:<7} {state}")
-    built = ("prebuilt into DeepSpeed" if fa["prebuilt"] else f"JIT-built in {fa['folder']}" if fa["jit_built"] else
-             f"not built yet: the first run JIT-builds it into {fa['folder']} (about a minute on 2 cores"
-             + (")" if fa["ninja"] else "; needs ninja: pip install ninja)"))
+    built = (
+        "prebuilt into DeepSpeed"
+        if fa["prebuilt"]
+        else f"JIT-built in {fa['folder']}"
+        if fa["jit_built"]
+        else f"not built yet: the first run JIT-builds it into {fa['folder']} (about a minute on 2 cores"
+        + (")" if fa["ninja"] else "; needs ninja: pip install ninja)")
+    )
     lines.append(f"FusedAdam        {built}")
     stale = [lock for lock in report["build_locks"] if lock["stale"]]
     for lock in report["build_locks"]:
-        lines.append(f"build lock       {lock['path']}: {'STALE, ' if lock['stale'] else ''}{lock['why']}"
-                     + (f"; every later load of {lock['op']} waits on it forever: remove it with `{lock['fix']}`"
-                        if lock["stale"] else ""))
+        lines.append(
+            f"build lock       {lock['path']}: {'STALE, ' if lock['stale'] else ''}{lock['why']}"
+            + (
+                f"; every later load of {lock['op']} waits on it forever: remove it with `{lock['fix']}`"
+                if lock["stale"]
+                else ""
+            )
+        )
     if not report["build_locks"]:
         lines.append("build locks      none")
     if "config" in report:
         cfg = report["config"]
-        lines += ["-" * 60, f"config           {cfg['path']}: {'ACCEPTED' if cfg['accepted'] else 'REFUSED'}",
-                  f"  deepspeed      {cfg['deepspeed']}"]
+        lines += [
+            "-" * 60,
+            f"config           {cfg['path']}: {'ACCEPTED' if cfg['accepted'] else 'REFUSED'}",
+            f"  deepspeed      {cfg['deepspeed']}",
+        ]
         if cfg["tensorshard"] is not None:
             lines.append(f"  ds_tensorshard {cfg['tensorshard']}")
         if cfg["auto_keys"]:
-            lines.append("  \"auto\" values  " + ", ".join(cfg["auto_keys"]) + " (filled in by HF Trainer / Accelerate)")
+            lines.append('  "auto" values  ' + ", ".join(cfg["auto_keys"]) + " (filled in by HF Trainer / Accelerate)")
         if cfg.get("note"):
             lines.append(f"  note           {cfg['note']}")
         if cfg.get("warning"):
             lines.append(f"  warning        {cfg['warning']}")
     if report.get("plans"):
         from .plan_report import format_report
+
         lines.append("-" * 60)
         for plan in report["plans"]:
             lines += format_report(plan)
@@ -346,16 +441,22 @@ def format_text(report: Mapping[str, Any]) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .models import PRESET_NAMES
+
     parser.add_argument("--config", help="a ds_config JSON: would deepspeed.initialize accept it?")
-    parser.add_argument("--world-size", type=int, nargs="+", help="plan the model at these world sizes "
-                                                                  "(and check the config's batch sizes at them)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        help="plan the model at these world sizes (and check the config's batch sizes at them)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default="gpt2-small", choices=PRESET_NAMES, help="model shape (default gpt2-small)")
     source.add_argument("--model-config", help="a Hugging Face config.json of a Llama-style model")
     source.add_argument("--checkpoint", help="plan the tensors of this checkpoint (save dir or tag folder)")
     parser.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
-    parser.add_argument("--split-tensors", choices=["auto", "never"], default="auto",
-                        help="without an enabled --config (default auto)")
+    parser.add_argument(
+        "--split-tensors", choices=["auto", "never"], default="auto", help="without an enabled --config (default auto)"
+    )
     parser.add_argument("--bucket-numel", type=int, help="elements per bucket (default: the config's, else 4,000,000)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -365,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
     shapes = None
     if args.world_size:
         from .cli import _model_shapes
+
         for key in ("vocab", "seq", "width", "layers", "heads"):
             setattr(args, key, getattr(args, key, None))
         shapes = _model_shapes(args)

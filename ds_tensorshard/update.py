@@ -6,6 +6,7 @@ model's own contiguous tensor (or its block, a view), else a copy. Each param gr
 optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this rank's masters as
 ``params``, so optimizer state is created for owned tensors alone.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,13 @@ class OwnedShard:
     else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, owned_by_group: list[list[tuple[torch.nn.Parameter, Block]]],
-                 accum_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        owned_by_group: list[list[tuple[torch.nn.Parameter, Block]]],
+        accum_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.optimizer = optimizer
         self.device = device
         self.accum_dtype = accum_dtype
@@ -44,7 +50,7 @@ class OwnedShard:
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
-                own = param.detach().view(-1)[block.start:block.stop].view(_block_shape(param, block))
+                own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
                 if param.dtype == torch.float32:
                     master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
                 else:
@@ -68,7 +74,7 @@ class OwnedShard:
                 self.accumulated[piece.param] = grad.to(self.accum_dtype, copy=grad.dtype != self.accum_dtype)
                 return
             total = self.accumulated[piece.param] = torch.zeros(block.numel, dtype=self.accum_dtype, device=grad.device)
-        total[piece.start - block.start:piece.stop - block.start].add_(grad)
+        total[piece.start - block.start : piece.stop - block.start].add_(grad)
 
     def gradients_to_masters(self) -> None:
         """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none)."""
@@ -106,7 +112,7 @@ class OwnedShard:
 
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
         block = self.blocks[param]
-        return param.data.view(-1)[block.start:block.stop]
+        return param.data.view(-1)[block.start : block.stop]
 
     def _align_step_counts(self) -> None:
         """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""

@@ -1,4 +1,5 @@
 """The DeepSpeed releases this plugin is tested with, checked at import."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,10 @@ def check_deepspeed_version(version: str) -> None:
     if low <= parts < high:
         return
     spec = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high[:2]))}"
-    message = (f"ds_tensorshard supports deepspeed {spec} but deepspeed {version} is installed; install a "
-               f"supported release (pip install 'deepspeed{spec}')")
+    message = (
+        f"ds_tensorshard supports deepspeed {spec} but deepspeed {version} is installed; install a "
+        f"supported release (pip install 'deepspeed{spec}')"
+    )
     if os.environ.get(UNTESTED_ENV) == "1":
         warnings.warn(f"{message}; going on because {UNTESTED_ENV}=1", stacklevel=2)
         return

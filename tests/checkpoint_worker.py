@@ -8,6 +8,7 @@ batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the s
 up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
 mean loss of each step run here and the final parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def die_inside_torch_save() -> None:
         real_save(obj, f, *args, **kwargs)
         os.truncate(f, os.path.getsize(f) // 2)
         os.kill(os.getpid(), signal.SIGKILL)
+
     torch.save = save_then_die
 
 
@@ -58,9 +60,12 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--save-at", type=int, nargs="+", default=[])
     parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
-    parser.add_argument("--fail-save-at", type=int,
-                        help="rank 1 may write no file over 64 KiB (ulimit -f) during this save; every rank then "
-                             "prints the error and exits 3")
+    parser.add_argument(
+        "--fail-save-at",
+        type=int,
+        help="rank 1 may write no file over 64 KiB (ulimit -f) during this save; every rank then "
+        "prints the error and exits 3",
+    )
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
@@ -71,8 +76,9 @@ def main() -> None:
     micro_batch = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 1
     gas = GLOBAL_BATCH // (micro_batch * world)
     config = ds_config(args.dtype, args.mode, args.stage, world, args.split)
-    config.update(gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH,
-                  train_micro_batch_size_per_gpu=micro_batch)
+    config.update(
+        gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=micro_batch
+    )
     if args.universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
@@ -110,8 +116,10 @@ def main() -> None:
                 close_process_group()
                 sys.exit(3)
     if rank == 0:
-        torch.save({"losses": losses, "params": {n: p.detach().float().clone()
-                                                 for n, p in engine.module.named_parameters()}}, args.out)
+        torch.save(
+            {"losses": losses, "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
+            args.out,
+        )
     close_process_group()
 
 

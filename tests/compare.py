@@ -6,6 +6,7 @@ collective (3+ ranks), and Adam turns a rounding-level change of a near-zero gra
 learning-rate step (peak lr 1e-2) on that element; so low precision is held to: losses and grad
 norms within a few ulps, every parameter within one peak-lr step, and the mean parameter difference tiny.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,19 +26,34 @@ def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str, loos
     ``loose``: parameter name -> absolute tolerance, for a tensor whose true gradient is zero (an attention's
     key bias), where Adam turns the rounding noise of another summation order into lr-sized steps."""
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                               atol=tol["loss"], msg=lambda m: f"{where} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]),
+        torch.tensor(reference["losses"]),
+        rtol=0,
+        atol=tol["loss"],
+        msg=lambda m: f"{where} losses: {m}",
+    )
     if "norms" in reference:
-        torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(reference["norms"]), rtol=tol["norm"],
-                                   atol=0, equal_nan=True, msg=lambda m: f"{where} grad norms: {m}")
+        torch.testing.assert_close(
+            torch.tensor(ours["norms"]),
+            torch.tensor(reference["norms"]),
+            rtol=tol["norm"],
+            atol=0,
+            equal_nan=True,
+            msg=lambda m: f"{where} grad norms: {m}",
+        )
         assert ours["skipped_steps"] == reference["skipped_steps"], where
     assert ours["params"].keys() == reference["params"].keys(), where
     for name, value in reference["params"].items():
         a = ours["params"][name]
         if loose and name in loose:
-            torch.testing.assert_close(a, value, rtol=0, atol=loose[name], msg=lambda m, name=name: f"{where} {name}: {m}")
+            torch.testing.assert_close(
+                a, value, rtol=0, atol=loose[name], msg=lambda m, name=name: f"{where} {name}: {m}"
+            )
             continue
-        torch.testing.assert_close(a, value, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m, name=name: f"{where} {name}: {m}")
+        torch.testing.assert_close(
+            a, value, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m, name=name: f"{where} {name}: {m}"
+        )
         if value.numel():
             assert (a - value).abs().mean() <= tol["mean"], f"{where} {name}: mean |diff| {(a - value).abs().mean()}"
 
@@ -46,5 +62,6 @@ def assert_cases_match(load: Callable[[str, int], dict], world: int, pairs: list
     """Every (case, reference case) pair matches on every rank."""
     for case, reference in pairs:
         for rank in range(world):
-            assert_run_matches(load(case, rank), load(reference, rank), case.split(":")[0],
-                               f"{case} vs {reference} rank {rank}")
+            assert_run_matches(
+                load(case, rank), load(reference, rank), case.split(":")[0], f"{case} vs {reference} rank {rank}"
+            )

@@ -8,6 +8,7 @@ at 4 ranks and more, so ``"auto"`` splits it.
 Writes OUT/CASE.rankR.pt with the per-micro-step losses, grad norms, final parameters and
 optimizer-state facts.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,11 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
         "gradient_accumulation_steps": GAS,
         "train_batch_size": MICRO_BATCH * GAS * world,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.0],
-                                                     "warmup_max_lr": [1e-2, 5e-3], "warmup_num_steps": 3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1e-2, 5e-3], "warmup_num_steps": 3},
+        },
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
         "steps_per_print": 1000,
     }
@@ -47,8 +49,11 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
         # 2**20 overflows the first fp16 steps: they must be skipped, with the scheduler.
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
     if mode in ("ts", "tsmpi"):
-        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch",
-                                 "split_tensors": split}
+        config["tensorshard"] = {
+            "enabled": True,
+            "comm_backend": "mpi" if mode == "tsmpi" else "torch",
+            "split_tensors": split,
+        }
     return config
 
 
@@ -68,13 +73,16 @@ def run_case(case: str, out_dir: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.manual_seed(1234)
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                                   config=ds_config(dtype, mode, int(stage), world, *split))
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model), config=ds_config(dtype, mode, int(stage), world, *split)
+    )
     unused_initial = engine.module.unused.detach().float().clone()
     losses, norms, grads_after_backward, started_at_embedding = [], [], [], []
     if mode in ("ts", "tsmpi"):  # how many buckets were under way when backward reached the embedding (its end)
+
         def on_embedding(module, inputs, out) -> None:
             out.register_hook(lambda grad: started_at_embedding.append(optimizer.reducer.started))
+
         engine.module.wte.register_forward_hook(on_embedding)
     for micro in range(STEPS * GAS):
         loss = engine(batch(rank, micro).to(engine.device))
@@ -96,19 +104,22 @@ def run_case(case: str, out_dir: str) -> None:
     if mode in ("ts", "tsmpi"):
         plan = optimizer.plan
         state_tensors = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        result.update({
-            "numel_per_rank": list(plan.numel_per_rank),
-            "blocks": {name: [(b.rank, b.start, b.stop) for b in blocks] for name, blocks in plan.blocks.items()},
-            "state_numel": sum(t.numel() for t in state_tensors),
-            "master_numel": sum(m.numel() for g in optimizer.param_groups for m in g["params"]),
-            "group_lrs": [g["lr"] for g in optimizer.param_groups],
-            "steps": sorted({int(s["step"]) for s in optimizer.optimizer.state.values()}),
-            "started_at_embedding": started_at_embedding,
-            "buckets": len(optimizer.buckets),
-            "largest_buffer": max(b.numel for b in optimizer.buckets),
-            "first_embedding_bucket": next(i for i, b in enumerate(optimizer.buckets)
-                                           if any(p is engine.module.wte.weight for p in b.params)),
-        })
+        result.update(
+            {
+                "numel_per_rank": list(plan.numel_per_rank),
+                "blocks": {name: [(b.rank, b.start, b.stop) for b in blocks] for name, blocks in plan.blocks.items()},
+                "state_numel": sum(t.numel() for t in state_tensors),
+                "master_numel": sum(m.numel() for g in optimizer.param_groups for m in g["params"]),
+                "group_lrs": [g["lr"] for g in optimizer.param_groups],
+                "steps": sorted({int(s["step"]) for s in optimizer.optimizer.state.values()}),
+                "started_at_embedding": started_at_embedding,
+                "buckets": len(optimizer.buckets),
+                "largest_buffer": max(b.numel for b in optimizer.buckets),
+                "first_embedding_bucket": next(
+                    i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)
+                ),
+            }
+        )
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
 
 

@@ -4,6 +4,7 @@ Usage (per rank, RANK/WORLD_SIZE/MASTER_* set, or under mpiexec): python feature
 CASE = SCENARIO:MODE with MODE stock, ts or tsmpi. Writes OUT/SCENARIO_MODE.rankR.pt with per-micro-step
 losses, per-step grad norms and loss scales, skipped steps and the final parameters.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,14 @@ from ds_tensorshard.comm import close_process_group  # noqa: E402
 # scenario -> (dtype, stage, gradient accumulation steps, optimizer steps, top-level keys, zero_optimization keys)
 SCENARIOS = {
     "no_sync_stage1": ("fp32", 1, 1, 4, {}, {}),
-    "fp16_stage1_scale": ("fp16", 1, 2, 32, {"fp16": {"enabled": True, "initial_scale_power": 16,
-                                                      "loss_scale_window": 3, "hysteresis": 1}}, {}),
+    "fp16_stage1_scale": (
+        "fp16",
+        1,
+        2,
+        32,
+        {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 3, "hysteresis": 1}},
+        {},
+    ),
     "bf16_comm_fp32": ("bf16", 2, 2, 5, {"communication_data_type": "fp32"}, {}),
     "bf16_accum_fp32_stage1": ("bf16", 1, 3, 5, {"data_types": {"grad_accum_dtype": "fp32"}}, {}),
     "zero_numel": ("fp32", 2, 2, 5, {}, {}),
@@ -70,9 +77,14 @@ def run_case(case: str, out_dir: str) -> None:
             losses.append(loss.item())
             micro += 1
         norms.append(float(engine.get_global_grad_norm() or 0.0))
-    result = {"losses": losses, "norms": norms, "loss_scales": scales, "skipped_steps": engine.skipped_steps,
-              "optimizer_class": type(optimizer).__name__,
-              "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "loss_scales": scales,
+        "skipped_steps": engine.skipped_steps,
+        "optimizer_class": type(optimizer).__name__,
+        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    }
     torch.save(result, os.path.join(out_dir, f"{scenario}_{mode}.rank{rank}.pt"))
 
 

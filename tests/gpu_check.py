@@ -6,6 +6,7 @@
 
 Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,11 @@ GPU_VS_CPU = dict(loss=1e-4, param=1e-3)  # other kernels (cuBLAS vs CPU GEMM), 
 
 
 def mpiexec(args: list[str], env: dict) -> None:
-    proc = run_in_group([MPIEXEC, "-n", "2", sys.executable, *args],
-                          env={**launcher_env(), "MASTER_PORT": str(free_port()), **env}, timeout=200)
+    proc = run_in_group(
+        [MPIEXEC, "-n", "2", sys.executable, *args],
+        env={**launcher_env(), "MASTER_PORT": str(free_port()), **env},
+        timeout=200,
+    )
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
 
@@ -45,9 +49,12 @@ def check_mpi(out: str) -> None:
             limit = GPU_VS_CPU if dtype == "fp32" else TOLERANCE["bf16"]
             assert loss <= limit["loss"] and param <= (limit.get("param") or limit["atol"]), (dtype, rank, loss, param)
     from mpi4py import MPI
+
     cuda_aware = bool(getattr(MPI, "Query_cuda_support", lambda: False)())
-    print(f"NOTE {'CUDA-aware MPI, direct' if cuda_aware else 'host staging (MPI not CUDA-aware)'}; "
-          f"max |loss diff| fp32 {worst['fp32'][0]:.1e} bf16 {worst['bf16'][0]:.1e}")
+    print(
+        f"NOTE {'CUDA-aware MPI, direct' if cuda_aware else 'host staging (MPI not CUDA-aware)'}; "
+        f"max |loss diff| fp32 {worst['fp32'][0]:.1e} bf16 {worst['bf16'][0]:.1e}"
+    )
 
 
 def check_checkpoint(out: str) -> None:
@@ -66,6 +73,7 @@ def check_checkpoint(out: str) -> None:
 
 def check_fused(out: str) -> None:
     from compare import assert_run_matches
+
     os.makedirs(out, exist_ok=True)
     cases = ["fusedlamb:fp32:stock:0", "fusedlamb:fp32:ts:2", "fusedlion:fp32:stock:2", "fusedlion:fp32:ts:2"]
     run_ranks([os.path.join(HERE, "optim_worker.py"), out, *cases], 1, env={"DS_ACCELERATOR": "cuda"})
@@ -73,8 +81,10 @@ def check_fused(out: str) -> None:
     lamb_reference = {k: v for k, v in load("fusedlamb:fp32:stock:0").items() if k != "norms"}
     assert_run_matches(load("fusedlamb:fp32:ts:2"), lamb_reference, "fp32", "FusedLamb vs stage 0")
     assert_run_matches(load("fusedlion:fp32:ts:2"), load("fusedlion:fp32:stock:2"), "fp32", "FusedLion vs ZeRO-2")
-    print(f"NOTE inner optimizers {load('fusedlamb:fp32:ts:2')['inner_class']}, "
-          f"{load('fusedlion:fp32:ts:2')['inner_class']}")
+    print(
+        f"NOTE inner optimizers {load('fusedlamb:fp32:ts:2')['inner_class']}, "
+        f"{load('fusedlion:fp32:ts:2')['inner_class']}"
+    )
 
 
 if __name__ == "__main__":

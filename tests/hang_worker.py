@@ -8,6 +8,7 @@ SIGKILLs itself in the middle of step 2's backward), ``none``.
 BACKEND: tensorshard.comm_backend (torch or mpi). Prints ``EVENT <name> <unix time>`` lines, and appends
 them to the file ``HANG_EVENTS`` names (a launcher may lose a killed rank's last output).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,6 +57,7 @@ def main() -> None:
             event(mode)
             os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
         return grad
+
     model.blocks[0].fc.weight.register_hook(mid_backward)
     for step in range(STEPS):
         if mode == "skip" and rank == 1 and step == FAULTY_STEP:

@@ -4,6 +4,7 @@ python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO engi
 step_many (initialize_many + step_many), step_many_mpi (the same on the mpi backend, under mpiexec)
 or one_by_one (initialize_many + engine.step each).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,11 @@ import ds_tensorshard  # noqa: E402
 from ds_tensorshard.comm import close_process_group  # noqa: E402
 
 # (dtype, ZeRO stage, shape): stage 1 reduces only at the accumulation boundary, stage 2 every micro-step
-MODELS = [("fp32", 2, dict(width=32, layers=2)), ("bf16", 2, dict(width=48, layers=1)),
-          ("fp32", 1, dict(width=16, layers=1))]
+MODELS = [
+    ("fp32", 2, dict(width=32, layers=2)),
+    ("bf16", 2, dict(width=48, layers=1)),
+    ("fp32", 1, dict(width=16, layers=1)),
+]
 
 
 def main() -> None:
@@ -35,8 +39,9 @@ def main() -> None:
     for seed, (dtype, stage, shape) in enumerate(MODELS):
         torch.manual_seed(100 + seed)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
-        items.append(dict(model=model, model_parameters=param_groups(model),
-                          config=ds_config(dtype, flavour, stage, world)))
+        items.append(
+            dict(model=model, model_parameters=param_groups(model), config=ds_config(dtype, flavour, stage, world))
+        )
     if mode == "stock":
         engines = [deepspeed.initialize(**item)[0] for item in items]
     else:
@@ -48,8 +53,11 @@ def main() -> None:
         update = second.shard.step
 
         def observed_update() -> None:
-            gathers_running.append(first.overlap.pending_gather is not None and bool(first.overlap.pending_gather.in_flight))
+            gathers_running.append(
+                first.overlap.pending_gather is not None and bool(first.overlap.pending_gather.in_flight)
+            )
             update()
+
         second.shard.step = observed_update
     left_in_flight = []  # per backward of a sharded engine: reductions still running when it returned
     for micro in range(STEPS * GAS):
@@ -64,18 +72,20 @@ def main() -> None:
         else:
             for engine in engines:
                 engine.step()
-    result = {"losses": losses,
-              "params": [{n: p.detach().float().clone() for n, p in e.module.named_parameters()} for e in engines]}
+    result = {
+        "losses": losses,
+        "params": [{n: p.detach().float().clone() for n, p in e.module.named_parameters()} for e in engines],
+    }
     if mode != "stock":
         plans = [e.optimizer.plan for e in engines]
         result["same_plan"] = all(plan is plans[0] for plan in plans)
         result["left_in_flight"] = left_in_flight
         result["gathers_running"] = gathers_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
-        result["owners"] = [[b.rank for p in e.module.parameters() if p.requires_grad for b in plans[0].blocks_of(p)]
-                            for e in engines]
-        result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"])
-                                 for e in engines]
+        result["owners"] = [
+            [b.rank for p in e.module.parameters() if p.requires_grad for b in plans[0].blocks_of(p)] for e in engines
+        ]
+        result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"]) for e in engines]
     torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))
     close_process_group()
 
@@ -84,11 +94,17 @@ def assert_each_model_matches_stock(joint: dict, stock: dict) -> None:
     """Each model of a joint run trained as it did alone under stock ZeRO."""
     for index, (dtype, _, _) in enumerate(MODELS):
         tol = TOLERANCE[dtype]
-        torch.testing.assert_close(torch.tensor(joint["losses"][index]), torch.tensor(stock["losses"][index]),
-                                   rtol=0, atol=tol["loss"])
+        torch.testing.assert_close(
+            torch.tensor(joint["losses"][index]), torch.tensor(stock["losses"][index]), rtol=0, atol=tol["loss"]
+        )
         for name, value in stock["params"][index].items():
-            torch.testing.assert_close(joint["params"][index][name], value, rtol=tol["rtol"], atol=tol["atol"],
-                                       msg=lambda m, index=index, name=name: f"model {index} {name}: {m}")
+            torch.testing.assert_close(
+                joint["params"][index][name],
+                value,
+                rtol=tol["rtol"],
+                atol=tol["atol"],
+                msg=lambda m, index=index, name=name: f"model {index} {name}: {m}",
+            )
 
 
 def assert_overlapped(joint: dict) -> None:

@@ -4,6 +4,7 @@ python optim_worker.py OUT CASE [CASE...]   CASE = OPTIMIZER:DTYPE:MODE:STAGE, e
 lion:fp32:stock:0 (see optimizers.py; MODE stock, ts or tsmpi). GAS 2, clipping 1.0, WarmupLR, two
 param groups. Writes OUT/CASE.rankR.pt: losses, grad norms, final parameters, optimizer-state facts.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,8 +40,9 @@ def run_case(case: str, out: str) -> None:
     # stock ZeRO-1/2 rebuilds Adagrad over one flat group and then fails on a second one (IndexError in
     # get_flat_partition): Adagrad runs with one group; "adagrad2" keeps two, against stage 0
     groups = [{"params": list(model.parameters())}] if name == "adagrad" else param_groups(model)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
-                                                   optimizer=client)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=groups, config=config, optimizer=client
+    )
     losses, norms = [], []
     for micro in range(STEPS * GAS):
         loss = engine(batch(rank, micro).to(engine.device))
@@ -49,16 +51,22 @@ def run_case(case: str, out: str) -> None:
         losses.append(loss.item())
         if (micro + 1) % GAS == 0:
             norms.append(float(engine.get_global_grad_norm() or 0.0))
-    result = {"losses": losses, "norms": norms, "skipped_steps": engine.skipped_steps,
-              "optimizer_class": type(optimizer).__name__, "state_numel": state_numel(optimizer),
-              "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}}
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "skipped_steps": engine.skipped_steps,
+        "optimizer_class": type(optimizer).__name__,
+        "state_numel": state_numel(optimizer),
+        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    }
     if mode in ("ts", "tsmpi"):
         result["inner_class"] = type(optimizer.optimizer).__name__
         result["split"] = dict(optimizer.plan.split)
         result["numel_per_rank"] = list(optimizer.plan.numel_per_rank)
         result["owned_state_keys"] = sorted({k for s in optimizer.optimizer.state.values() for k in s})
-        result["foreign_state"] = sum(1 for m in optimizer.optimizer.state
-                                      if not any(m is x for x in optimizer.shard.masters.values()))
+        result["foreign_state"] = sum(
+            1 for m in optimizer.optimizer.state if not any(m is x for x in optimizer.shard.masters.values())
+        )
     torch.save(result, os.path.join(out, f"{case.replace(':', '_')}.rank{rank}.pt"))
 
 

@@ -5,6 +5,7 @@ and small reference implementations of two published algorithms that DeepSpeed o
 ``Lamb`` (You et al., 2020, "Large Batch Optimization for Deep Learning") scales each tensor's Adam
 update by a trust ratio ||w|| / ||update|| computed over the whole tensor.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,8 +37,9 @@ class Lion(torch.optim.Optimizer):
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0
+    ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -96,6 +98,10 @@ def setup(name: str, model: torch.nn.Module, config: dict) -> Callable | None:
     if name == "torchmuon":  # torch's Muon takes matrices only: the model's vectors are frozen for it
         for p in model.parameters():
             p.requires_grad_(p.dim() == 2)
-        return lambda params: torch.optim.Muon([p for group in params for p in group["params"] if p.requires_grad],
-                                               lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+        return lambda params: torch.optim.Muon(
+            [p for group in params for p in group["params"] if p.requires_grad],
+            lr=lr,
+            weight_decay=0.0,
+            adjust_lr_fn="match_rms_adamw",
+        )
     raise ValueError(f"unknown optimizer {name!r}")

@@ -5,6 +5,7 @@ CASE = DTYPE:MODE (MODE stock or ts; ZeRO stage 1, the one stock allows with pip
 to the last case only. The global batch is 12 sequences per step whatever the data-parallel size, the
 same 12 for step s. Writes OUT/CASE.rankR.pt: the loss per step and this stage's final parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,13 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build() -> PipelineModule:
-    layers = [TiedLayerSpec("embed", Embedding), LayerSpec(Block, WIDTH, 2), LayerSpec(Block, WIDTH, 2),
-              LayerSpec(nn.LayerNorm, WIDTH), TiedLayerSpec("embed", Embedding, forward_fn=head)]
+    layers = [
+        TiedLayerSpec("embed", Embedding),
+        LayerSpec(Block, WIDTH, 2),
+        LayerSpec(Block, WIDTH, 2),
+        LayerSpec(nn.LayerNorm, WIDTH),
+        TiedLayerSpec("embed", Embedding, forward_fn=head),
+    ]
     return PipelineModule(layers=layers, num_stages=STAGES, loss_fn=next_token_loss, partition_method="uniform")
 
 
@@ -56,8 +62,12 @@ def batches(step: int, dp_rank: int, dp_size: int):
     micro_batches = GLOBAL_BATCH // (MICRO * dp_size)
     for micro in range(micro_batches):
         first = (micro * dp_size + dp_rank) * MICRO
-        tokens = torch.stack([torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(
-            10_000 * step + first + i)) for i in range(MICRO)])
+        tokens = torch.stack(
+            [
+                torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(10_000 * step + first + i))
+                for i in range(MICRO)
+            ]
+        )
         yield tokens, tokens
 
 
@@ -80,9 +90,15 @@ def run_case(case: str, args: argparse.Namespace, save: bool) -> None:
         losses[step] = float(loss)
         if save and engine.global_steps == args.save_at:
             engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}")
-    torch.save({"losses": losses, "optimizer_class": type(optimizer).__name__, "stage": engine.stage_id,
-                "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-               os.path.join(args.out, f"{case.replace(':', '_')}.rank{torch.distributed.get_rank()}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "optimizer_class": type(optimizer).__name__,
+            "stage": engine.stage_id,
+            "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        },
+        os.path.join(args.out, f"{case.replace(':', '_')}.rank{torch.distributed.get_rank()}.pt"),
+    )
 
 
 def main() -> None:

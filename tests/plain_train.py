@@ -3,6 +3,7 @@
 Run through ``python -m ds_tensorshard`` the config's tensorshard block takes effect; prints one
 ``RESULT`` line per rank.
 """
+
 import argparse
 import gc
 import hashlib
@@ -20,9 +21,13 @@ parser.add_argument("--comm-backend", default="torch")
 parser.add_argument("--port", type=int, default=29500, help="rendezvous port when ranks are discovered through MPI")
 args = parser.parse_args()
 
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "comm_backend": args.comm_backend}}
+config = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2},
+    "tensorshard": {"enabled": True, "comm_backend": args.comm_backend},
+}
 deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
 torch.manual_seed(0)
 if args.one_tensor:
@@ -37,14 +42,19 @@ for _ in range(args.steps):
     engine.backward(loss)
     engine.step()
 # one short write per line, so the launcher's merged output never interleaves two ranks' lines
-line = "RESULT " + json.dumps({"rank": engine.global_rank, "local_rank": args.local_rank,
-                              "transport": type(getattr(optimizer, "comm", None)).__name__,
-                              "optimizer": type(optimizer).__name__,
-                              "params_digest": hashlib.sha1(b"".join(p.detach().numpy().tobytes()
-                                                                     for p in engine.module.parameters())).hexdigest(),
-                              "moved": any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), initial)),
-                              "numel_per_rank": list(optimizer.plan.numel_per_rank) if hasattr(optimizer, "plan")
-                              else None})
+line = "RESULT " + json.dumps(
+    {
+        "rank": engine.global_rank,
+        "local_rank": args.local_rank,
+        "transport": type(getattr(optimizer, "comm", None)).__name__,
+        "optimizer": type(optimizer).__name__,
+        "params_digest": hashlib.sha1(
+            b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())
+        ).hexdigest(),
+        "moved": any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), initial)),
+        "numel_per_rank": list(optimizer.plan.numel_per_rank) if hasattr(optimizer, "plan") else None,
+    }
+)
 os.write(1, (line + "\n").encode())
 del engine, optimizer, model
 gc.collect()  # gloo work still referenced at interpreter exit can abort the process

@@ -3,6 +3,7 @@
 Every process a test starts leads a process group of its own; on a timeout, an error or Ctrl-C the
 whole group is killed, so that no rank outlives its test (a launcher's ranks included).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,18 +26,36 @@ def free_port() -> int:
 
 def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+    )
     env.update(extra or {})
     return env
 
 
-def run_ranks(args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check: bool = True,
-              env: dict | None = None) -> list[str]:
+def run_ranks(
+    args: Sequence[str], world: int, timeout: float = TIMEOUT_S, check: bool = True, env: dict | None = None
+) -> list[str]:
     """Run ``python ARGS`` as ``world`` ranks; return each rank's combined output. Kills all on timeout."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port, env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=rank_env(r, world, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -64,8 +83,9 @@ def kill_group(proc: subprocess.Popen) -> None:
 def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)``, but in a process
     group of its own that is killed whole on a timeout, an error or Ctrl-C."""
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,17 +99,27 @@ def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) 
 def launcher_env() -> dict:
     """The environment for a launcher (deepspeed, mpiexec, ds-tensorshard bench) that assigns ranks
     itself: no rank variables, CPU settings, and the virtual environment's executables on PATH."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"])
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    )
     return env
 
 
 def run_deepspeed_launcher(args: Sequence[str], num_gpus: int, timeout: float = TIMEOUT_S) -> str:
     """``deepspeed --num_gpus N --master_port P ARGS`` on this machine's CPUs; returns all ranks' output."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_gpus),
-           "--master_port", str(free_port()), *args]
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        str(num_gpus),
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
     proc = run_in_group(cmd, timeout=timeout, env=launcher_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -98,8 +128,16 @@ def run_deepspeed_launcher(args: Sequence[str], num_gpus: int, timeout: float = 
 def run_until_one_dies(args: Sequence[str], world: int, timeout: float = TIMEOUT_S) -> list[int]:
     """Run ranks until one of them exits non-zero, then kill the rest (they wait for it forever)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *args], env=rank_env(r, world, port), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=rank_env(r, world, port),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
     deadline = time.monotonic() + timeout
     try:
         while not any(p.poll() not in (None, 0) for p in procs):

@@ -4,6 +4,7 @@ python soak_worker.py OUT MODE STEPS [--save DIR] [--load DIR --tag TAG]   (MODE
 Rank 0 writes OUT: the mean loss of every step run here and, per rank, the peak RSS after each
 RSS_EVERY steps (so growth over the run shows).
 """
+
 from __future__ import annotations
 
 import argparse

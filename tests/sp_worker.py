@@ -4,6 +4,7 @@ python sp_worker.py OUT SP CASE [CASE...]   CASE = DTYPE:MODE:STAGE (MODE stock,
 Ranks form a grid ``rank = dp_rank * sp + sp_rank``; each rank of a sequence-parallel group holds a
 slice of every sequence. Writes OUT/CASE.rankR.pt: losses, grad norms and the final parameters.
 """
+
 from __future__ import annotations
 
 import math
@@ -124,7 +125,9 @@ class UlyssesGPT(nn.Module):
 
 
 def batch(mpu: SequenceParallelMpu, micro_step: int) -> torch.Tensor:
-    full = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1000 * micro_step + mpu.dp_rank))
+    full = torch.randint(
+        0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(1000 * micro_step + mpu.dp_rank)
+    )
     return full.chunk(mpu.sp, dim=1)[mpu.sp_rank]
 
 
@@ -134,8 +137,9 @@ def run_case(case: str, mpu: SequenceParallelMpu, out: str) -> None:
     config["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=1e-2)  # one param group
     torch.manual_seed(1234)
     model = UlyssesGPT(mpu)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                   mpu=mpu)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, mpu=mpu
+    )
     losses, norms = [], []
     for micro in range(STEPS * GAS):
         loss = engine(batch(mpu, micro))
@@ -144,11 +148,17 @@ def run_case(case: str, mpu: SequenceParallelMpu, out: str) -> None:
         losses.append(loss.item())
         if (micro + 1) % GAS == 0:
             norms.append(float(engine.get_global_grad_norm() or 0.0))
-    torch.save({"losses": losses, "norms": norms, "skipped_steps": engine.skipped_steps,
-                "optimizer_class": type(optimizer).__name__,
-                "communication_dtype": str(engine.communication_data_type),
-                "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-               os.path.join(out, f"{case.replace(':', '_')}.rank{dist.get_rank()}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "norms": norms,
+            "skipped_steps": engine.skipped_steps,
+            "optimizer_class": type(optimizer).__name__,
+            "communication_dtype": str(engine.communication_data_type),
+            "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        },
+        os.path.join(out, f"{case.replace(':', '_')}.rank{dist.get_rank()}.pt"),
+    )
 
 
 def main() -> None:

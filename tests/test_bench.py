@@ -1,5 +1,6 @@
 """``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written; a bench
 killed mid-way leaves no process behind."""
+
 import json
 import os
 import signal
@@ -14,8 +15,9 @@ TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--w
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "bench", *args],
-                          env=launcher_env(), timeout=TIMEOUT_S)
+    return run_in_group(
+        [sys.executable, "-m", "ds_tensorshard.cli", "bench", *args], env=launcher_env(), timeout=TIMEOUT_S
+    )
 
 
 def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
@@ -92,9 +94,25 @@ def _processes_mentioning(marker: str) -> list[int]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_bench_killed_mid_way_leaves_no_process_behind(tmp_path, signum):
     out = tmp_path / f"killed{int(signum)}"
-    proc = subprocess.Popen([sys.executable, "-m", "ds_tensorshard.cli", "bench", *TINY, "--steps", "500",
-                             "--configs", "ts_torch", "--out", str(out)], env=launcher_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_tensorshard.cli",
+            "bench",
+            *TINY,
+            "--steps",
+            "500",
+            "--configs",
+            "ts_torch",
+            "--out",
+            str(out),
+        ],
+        env=launcher_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while len(_processes_mentioning(f"{out}/raw")) < 3:  # mpiexec and both ranks are running

@@ -1,5 +1,6 @@
 """Buckets: bounded windows of the gradient stream in backward order, grouped by owner, one dtype each;
 one reduce and one broadcast per owner present in a bucket."""
+
 import deepspeed
 import pytest
 import torch
@@ -21,9 +22,17 @@ def test_worked_example_from_docstring():
     a, b, c = params((6,), (4,), (5,))
     blocks = {id(a): (Block(1, 0, 6),), id(b): (Block(0, 0, 4),), id(c): (Block(1, 0, 5),)}
     first, second = build_buckets([a, b, c], lambda p: blocks[id(p)], bucket_numel=8)
-    layout = [[(s.owner, s.offset, [(p.param is x, p.start, p.stop) for p, x in zip(s.pieces, xs)])
-               for s, xs in zip(bk.segments, parts)] for bk, parts in ((first, [[b], [a]]), (second, [[b], [c]]))]
-    assert layout == [[(0, 0, [(True, 0, 2)]), (1, 2, [(True, 0, 6)])], [(0, 0, [(True, 2, 4)]), (1, 2, [(True, 0, 5)])]]
+    layout = [
+        [
+            (s.owner, s.offset, [(p.param is x, p.start, p.stop) for p, x in zip(s.pieces, xs)])
+            for s, xs in zip(bk.segments, parts)
+        ]
+        for bk, parts in ((first, [[b], [a]]), (second, [[b], [c]]))
+    ]
+    assert layout == [
+        [(0, 0, [(True, 0, 2)]), (1, 2, [(True, 0, 6)])],
+        [(0, 0, [(True, 2, 4)]), (1, 2, [(True, 0, 5)])],
+    ]
     assert (first.numel, second.numel) == (8, 7)
 
 
@@ -83,10 +92,15 @@ def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monke
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
+
         monkeypatch.setattr(ds_tensorshard.comm.dist, name, counted)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])  # 12 tensors, 432 elements
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True, "bucket_numel": 150},
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert [b.numel for b in optimizer.buckets] == [150, 150, 132]
     for _ in range(2):  # the first backward also agrees on the order gradients arrive in (one broadcast)
@@ -99,8 +113,12 @@ def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monke
 @pytest.mark.usefixtures("single_rank_world")
 def test_reduction_starts_from_gradient_hooks_while_backward_runs():
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True, "bucket_numel": 150},
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     seen = []
     x = torch.randn(2, 8, requires_grad=True)
@@ -114,8 +132,12 @@ def test_reduction_starts_from_gradient_hooks_while_backward_runs():
 @pytest.mark.usefixtures("single_rank_world")
 def test_a_model_given_to_a_new_engine_reduces_only_there():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True},
+    }
     _, first, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine, second, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.backward(engine(torch.randn(2, 4)).sum())
@@ -141,8 +163,12 @@ class LateRegistered(torch.nn.Module):
 @pytest.mark.usefixtures("single_rank_world")
 def test_buckets_follow_the_order_backward_produced_after_the_first_step():
     model = LateRegistered()
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True, "bucket_numel": 150}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True, "bucket_numel": 150},
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert optimizer.buckets[0].params[:2] == (model.unused.weight, model.embed.weight)  # reverse registration
     seen = []

@@ -4,6 +4,7 @@ an interrupted save that loses nothing, and refusals that name the file or tenso
 Every run trains TinyGPT at the same global batch of 12 sequences (see checkpoint_worker.py), so a
 run resumed at m ranks must match the uninterrupted run at n ranks step for step.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,15 +45,41 @@ def runs(tmp_path_factory):
     r["stock2"] = train(d / "s2.pt", "fp32", "stock", 2, 2, "--save", d / "s2", "--save-at", 3)
     r["stock2to2"] = train(d / "ls22.pt", "fp32", "ts", 2, 2, "--load", d / "s2")
     r["stock2to3s1"] = train(d / "ls23.pt", "fp32", "ts", 1, 3, "--load", d / "s2")
-    universal = run_in_group([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(d / "s2" / "step3"), "--output_folder", str(d / "s2" / "step3_universal"),
-                              "--inject_missing_state"], timeout=300)
+    universal = run_in_group(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(d / "s2" / "step3"),
+            "--output_folder",
+            str(d / "s2" / "step3_universal"),
+            "--inject_missing_state",
+        ],
+        timeout=300,
+    )
     assert universal.returncode == 0, universal.stderr[-3000:]
     r["universal3"] = train(d / "lu3.pt", "fp32", "ts", 2, 3, "--load", d / "s2", "--universal")
     r["stock1bf16"] = train(d / "sb.pt", "bf16", "stock", 1, 3, "--save", d / "sb", "--save-at", 3)
     r["stock1bf16to2"] = train(d / "lsb.pt", "bf16", "ts", 1, 2, "--load", d / "sb")
-    codes = run_until_one_dies([WORKER, str(d / "killed.pt"), "fp32", "ts", "2", "6", "--save", str(d / "k"),
-                                "--save-at", "2", "4", "--die-during-save-at", "4"], 2)
+    codes = run_until_one_dies(
+        [
+            WORKER,
+            str(d / "killed.pt"),
+            "fp32",
+            "ts",
+            "2",
+            "6",
+            "--save",
+            str(d / "k"),
+            "--save-at",
+            "2",
+            "4",
+            "--die-during-save-at",
+            "4",
+        ],
+        2,
+    )
     r["kill_codes"] = codes
     r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k")
     cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
@@ -82,8 +109,9 @@ def test_resume_at_another_world_size_matches_uninterrupted_run(runs, resumed, r
 
 
 def test_world_sizes_agree_with_each_other(runs):
-    assert_continues({"losses": runs["ref3"]["losses"], "params": runs["ref3"]["params"]},
-                     runs["ref2"], FP32, first_step=0)
+    assert_continues(
+        {"losses": runs["ref3"]["losses"], "params": runs["ref3"]["params"]}, runs["ref2"], FP32, first_step=0
+    )
 
 
 @pytest.mark.parametrize("resumed", ["stock2to2", "stock2to3s1", "universal3"])
@@ -105,14 +133,17 @@ def test_killed_save_leaves_previous_checkpoint_loadable(runs):
 
 # -- refusals, in this process (one rank): named, and before any state is touched ------------------
 
+
 @pytest.fixture
 def engine(single_rank_world):
     def make(**model_args):
         torch.manual_seed(7)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **model_args)
-        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                            config=ds_config("fp32", "ts", 2, 1))
+        eng, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model), config=ds_config("fp32", "ts", 2, 1)
+        )
         return eng
+
     return make
 
 
@@ -121,11 +152,13 @@ def laid_out_for_two(single_rank_world, tmp_path_factory):
     """A ds_tensorshard checkpoint with two ranks' files, made in this process: one rank trains and saves,
     and the converter lays the files out for two ranks (the refusals need a rank 1 to break)."""
     from ds_tensorshard.convert import convert
+
     d = tmp_path_factory.mktemp("two")
     torch.manual_seed(5)
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
-    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                        config=ds_config("fp32", "ts", 2, 1))
+    eng, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model), config=ds_config("fp32", "ts", 2, 1)
+    )
     for micro in range(2 * eng.gradient_accumulation_steps()):
         eng.backward(eng(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(micro))))
         eng.step()
@@ -192,8 +225,9 @@ def test_single_rank_loads_what_two_ranks_saved(runs, engine):
     path, client_state = eng.load_checkpoint(str(runs["dir"] / "c2"))
     assert path is not None and client_state["marker"] == "kept"
     assert eng.global_steps == 3
-    saved = torch.load(runs["dir"] / "c2" / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                       weights_only=False)["optimizer_state_dict"]["tensors"]
+    saved = torch.load(runs["dir"] / "c2" / "step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)[
+        "optimizer_state_dict"
+    ]["tensors"]
     name, entry = next(iter(saved.items()))
     param = dict(eng.module.named_parameters())[name]
     master = eng.optimizer.shard.masters[param]
@@ -202,6 +236,7 @@ def test_single_rank_loads_what_two_ranks_saved(runs, engine):
 
 
 # -- conversions -----------------------------------------------------------------------------------
+
 
 def test_stock_checkpoint_converted_to_tensorshard_continues_like_stock(runs):
     assert_continues(runs["converted_stock"], runs["stock2"], FP32, first_step=3)
@@ -214,6 +249,7 @@ def test_tensorshard_checkpoint_converted_to_zero_is_loaded_and_continued_by_sto
 
 def test_fp32_export_of_stock_checkpoint_equals_zero_to_fp32(runs, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     cli("convert-checkpoint", runs["dir"] / "s2", tmp_path / "w.pt", "--to", "fp32")
     ours = torch.load(tmp_path / "w.pt")
     theirs = get_fp32_state_dict_from_zero_checkpoint(str(runs["dir"] / "s2"))
@@ -238,7 +274,7 @@ def test_fp32_export_of_tensorshard_checkpoint_and_of_its_zero_conversion_agree(
 @pytest.mark.multiprocess
 def test_plan_of_a_checkpoint(laid_out_for_two):
     out = cli("plan", "--checkpoint", laid_out_for_two, "--world-size", "3", "--json")
-    report = json.loads(out[out.index("["):])
+    report = json.loads(out[out.index("[") :])
     assert report[0]["tensors"] == 29 and report[0]["total_numel"] == 28288
 
 
@@ -258,16 +294,29 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     for key in list(stock["zero_optimization"]) + [k for k in stock if k != "zero_optimization"]:
         assert key in out, key
     from ds_tensorshard.config import validate_engine_config
+
     assert validate_engine_config(migrated).enabled
 
 
 @pytest.mark.multiprocess
 def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
-    for config, message in [({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
-                            ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block")]:
+    for config, message in [
+        ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
+        ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block"),
+    ]:
         (tmp_path / "in.json").write_text(json.dumps(config))
-        proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "migrate-config", str(tmp_path / "in.json"),
-                               "-o", str(tmp_path / "out.json")], timeout=120)
+        proc = run_in_group(
+            [
+                sys.executable,
+                "-m",
+                "ds_tensorshard.cli",
+                "migrate-config",
+                str(tmp_path / "in.json"),
+                "-o",
+                str(tmp_path / "out.json"),
+            ],
+            timeout=120,
+        )
         assert proc.returncode != 0 and message in proc.stderr
         assert not (tmp_path / "out.json").exists()
 
@@ -279,9 +328,10 @@ def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     shape = ["--preset", "demo", "--layers", "8", "--width", "512", "--vocab", "1024"]
     rows = []
     for phase in ("save", "load"):
-        out = run_ranks(["-m", "ds_tensorshard.examples.checkpoint_memory", "--phase", phase, "--dir",
-                         str(tmp_path), *shape], 2)[0]
-        rows += [json.loads(line[len("MEMORY "):]) for line in out.splitlines() if line.startswith("MEMORY ")]
+        out = run_ranks(
+            ["-m", "ds_tensorshard.examples.checkpoint_memory", "--phase", phase, "--dir", str(tmp_path), *shape], 2
+        )[0]
+        rows += [json.loads(line[len("MEMORY ") :]) for line in out.splitlines() if line.startswith("MEMORY ")]
     assert [(r["phase"], r["rank"]) for r in rows] == [("save", 0), ("save", 1), ("load", 0), ("load", 1)]
     for r in rows:  # 64 MiB of allocator and import slack on top of the issue's bound
         assert r["own_state_mib"] > 2 * 64, r

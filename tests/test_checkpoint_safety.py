@@ -5,6 +5,7 @@ A crafted file whose unpickling would create a file is refused, naming the file 
 files hold only tensors and plain values; stock DeepSpeed checkpoints (with their loss scalers and
 ZeRO stage enums) still load.
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,8 +39,9 @@ class CreatesFile:
 def make_engine(dtype: str = "fp32", mode: str = "ts", stage: int = 2, seed: int = 7):
     torch.manual_seed(seed)
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model),
-                                           config=ds_config(dtype, mode, stage, 1))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model), config=ds_config(dtype, mode, stage, 1)
+    )
     return engine
 
 
@@ -84,8 +86,10 @@ def test_payload_is_refused_by_convert_checkpoint(saved, tmp_path):
     marker = tmp_path / "created_by_payload"
     plant(saved / "t" / RANK_FILE, "loss_scaler", CreatesFile(str(marker)))
     for to, dst in (("fp32", tmp_path / "w.pt"), ("zero", tmp_path / "z"), ("tensorshard", tmp_path / "ts")):
-        proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(saved), str(dst),
-                               "--to", to], timeout=300)
+        proc = run_in_group(
+            [sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(saved), str(dst), "--to", to],
+            timeout=300,
+        )
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert RANK_FILE in proc.stderr and "refers to exec," in proc.stderr, proc.stderr
         assert not marker.exists() and not dst.exists()

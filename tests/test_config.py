@@ -1,4 +1,5 @@
 """Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
+
 import deepspeed
 import pytest
 import torch
@@ -12,8 +13,12 @@ pytestmark = pytest.mark.usefixtures("single_rank_world")
 
 
 def base_config(**overrides):
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 2}, "tensorshard": {"enabled": True}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True},
+    }
     config.update(overrides)
     return config
 
@@ -22,8 +27,9 @@ def initialize(config, optimizer=None):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     if optimizer is not None:
         optimizer = optimizer(model.parameters())
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                             optimizer=optimizer)
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, optimizer=optimizer
+    )
     return model, engine, opt
 
 
@@ -31,7 +37,10 @@ BAD = [
     ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'"),
     ({"zero_optimization": {"stage": 0}}, "'zero_optimization.stage'"),
     ({"zero_optimization": None}, "'zero_optimization.stage'"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "'zero_optimization.offload_optimizer'"),
+    (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        "'zero_optimization.offload_optimizer'",
+    ),
     ({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}, "'zero_optimization.offload_param'"),
     ({"tensorshard": {"enabled": True, "bucket_size": 10}}, "unknown key 'tensorshard.bucket_size'"),
     ({"tensorshard": {"enabled": "yes"}}, "'tensorshard.enabled'"),
@@ -65,6 +74,7 @@ def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
 def test_unshardable_client_optimizer_is_refused_by_class_name():
     class MuAdam(torch.optim.Adam):  # named like mup's, which reads per-parameter infshape metadata
         pass
+
     with pytest.raises(TensorShardConfigError, match="optimizer MuAdam cannot be sharded.*infshape"):
         initialize(base_config(), optimizer=lambda ps: MuAdam(ps, lr=0.1))
 
@@ -91,8 +101,9 @@ def test_disabled_block_runs_stock_deepspeed():
 
 def test_bf16_stage1_with_fp32_accumulation_stays_on_tensorshard():
     # stock DeepSpeed routes this combination to BF16_Optimizer instead of ZeRO
-    config = base_config(zero_optimization={"stage": 1}, bf16={"enabled": True},
-                         data_types={"grad_accum_dtype": "fp32"})
+    config = base_config(
+        zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}
+    )
     _, _, opt = initialize(config)
     assert isinstance(opt, ds_tensorshard.TensorShardOptimizer)
 
@@ -115,7 +126,9 @@ def test_install_is_idempotent():
 @pytest.mark.parametrize("version", ["0.18.9", "0.19.7", "0.20.0", "1.0.0"])
 def test_unsupported_deepspeed_versions_are_named(version, monkeypatch):
     monkeypatch.delenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", raising=False)
-    with pytest.raises(UnsupportedDeepSpeedVersion, match=rf"supports deepspeed >=0\.19\.8,<0\.20 but deepspeed {version} is installed"):
+    with pytest.raises(
+        UnsupportedDeepSpeedVersion, match=rf"supports deepspeed >=0\.19\.8,<0\.20 but deepspeed {version} is installed"
+    ):
         check_deepspeed_version(version)
     monkeypatch.setenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", "1")  # try an untested release anyway: a warning
     with pytest.warns(UserWarning, match=rf"deepspeed {version} is installed.*DS_TENSORSHARD_UNTESTED_DEEPSPEED=1"):

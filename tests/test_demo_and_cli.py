@@ -1,4 +1,5 @@
 """The demo example (2 real ranks) and the ``ds-tensorshard plan`` command."""
+
 import json
 import os
 import re
@@ -13,8 +14,17 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 
 @pytest.mark.multiprocess
 def test_demo_trains_and_reports_state_bytes_next_to_stock_zero2():
-    outputs = run_ranks(["-m", "ds_tensorshard.examples.train_gpt", "--deepspeed_config",
-                         os.path.join(ROOT, "configs", "tensorshard_fp32.json"), "--steps", "8"], 2)
+    outputs = run_ranks(
+        [
+            "-m",
+            "ds_tensorshard.examples.train_gpt",
+            "--deepspeed_config",
+            os.path.join(ROOT, "configs", "tensorshard_fp32.json"),
+            "--steps",
+            "8",
+        ],
+        2,
+    )
     text = outputs[0]
     start, end = map(float, re.search(r"loss: start ([\d.]+) -> end ([\d.]+) over 8 steps", text).groups())
     assert end < start
@@ -51,8 +61,9 @@ def test_plan_cli_scales_to_1024_ranks(capsys, preset):
 
 
 def test_plan_cli_reports_newton_schulz_work_against_stocks_rule(capsys):
-    assert cli_main(["plan", "--preset", "llama2-7b", "--optimizer", "muon", "--world-size", "64", "1024",
-                     "--json"]) == 0
+    assert (
+        cli_main(["plan", "--preset", "llama2-7b", "--optimizer", "muon", "--world-size", "64", "1024", "--json"]) == 0
+    )
     at64, at1024 = (r["newton_schulz"] for r in json.loads(capsys.readouterr().out))
     assert at64["matrices"] == 224
     assert at64["stock_work_fullest_over_ideal"] > 1.3 and at64["work_fullest_over_ideal"] < 1.06
@@ -63,11 +74,15 @@ def test_plan_cli_reports_newton_schulz_work_against_stocks_rule(capsys):
 
 def test_plan_cli_reads_a_hugging_face_config(tmp_path, capsys):
     from ds_tensorshard.models import LLAMA_PRESETS
+
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_PRESETS["llama3-8b"], "model_type": "llama"}))
     assert cli_main(["plan", "--model-config", str(tmp_path / "config.json"), "--world-size", "8", "--json"]) == 0
     from_file = json.loads(capsys.readouterr().out)[0]
     assert cli_main(["plan", "--preset", "llama3-8b", "--world-size", "8", "--json"]) == 0
-    assert from_file == {**json.loads(capsys.readouterr().out)[0], "plan_and_buckets_s": from_file["plan_and_buckets_s"]}
+    assert from_file == {
+        **json.loads(capsys.readouterr().out)[0],
+        "plan_and_buckets_s": from_file["plan_and_buckets_s"],
+    }
     assert from_file["total_numel"] == 8_030_261_248
     (tmp_path / "bad.json").write_text(json.dumps({**LLAMA_PRESETS["llama3-8b"], "intermediate_size": "big"}))
     assert cli_main(["plan", "--model-config", str(tmp_path / "bad.json"), "--world-size", "8"]) == 2

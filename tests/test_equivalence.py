@@ -4,6 +4,7 @@ Each world size is launched once; every rank trains all cases (dtype x stock/ten
 in one process group (see equivalence_worker.py). GAS 2, clipping 1.0, WarmupLR with per-group
 peaks, two param groups, tied embedding, a frozen and an unused parameter.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ def world(request, tmp_path_factory):
 
     def load(case: str, rank: int) -> dict:
         return torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
     return n, load
 
 

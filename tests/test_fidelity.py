@@ -7,6 +7,7 @@ gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_
 In this process (one rank): a gradient delivered twice, model-only loads, add_param_group,
 zero_grad(set_to_none=False), a fused torch AdamW resumed, the norm's memory, refused combinations.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,16 +30,22 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
     out = tmp_path_factory.mktemp("features")
-    run_ranks([os.path.join(HERE, "feature_worker.py"), str(out),
-               *[f"{s}:{m}" for s in SCENARIOS for m in ("stock", "ts")]], WORLD)
+    run_ranks(
+        [os.path.join(HERE, "feature_worker.py"), str(out), *[f"{s}:{m}" for s in SCENARIOS for m in ("stock", "ts")]],
+        WORLD,
+    )
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
 @pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"fp16_stage1_scale"}))
 def test_feature_matches_stock(features, scenario):
     for rank in range(WORLD):
-        assert_run_matches(features(f"{scenario}:ts", rank), features(f"{scenario}:stock", rank),
-                           SCENARIOS[scenario][0], f"{scenario} rank {rank}")
+        assert_run_matches(
+            features(f"{scenario}:ts", rank),
+            features(f"{scenario}:stock", rank),
+            SCENARIOS[scenario][0],
+            f"{scenario} rank {rank}",
+        )
     assert features(f"{scenario}:ts", 0)["optimizer_class"] == "TensorShardOptimizer"
     if scenario == "bf16_accum_fp32_stage1":  # stock leaves ZeRO for its BF16_Optimizer here
         assert features(f"{scenario}:stock", 0)["optimizer_class"] == "BF16_Optimizer"
@@ -65,8 +72,12 @@ pytestmark_single = pytest.mark.usefixtures("single_rank_world")
 
 
 def tiny_config(stage=2, **extra):
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": stage}, "tensorshard": {"enabled": True}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "tensorshard": {"enabled": True},
+    }
     config.update(extra)
     return config
 
@@ -80,6 +91,7 @@ class Reused(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
+
         for _ in range(2):
             x = checkpoint(self.shared, x, use_reentrant=True)
         return x.sum()
@@ -120,8 +132,10 @@ def test_zero_grad_set_to_none_false_leaves_zeros_as_stock(ts):
 
 @pytestmark_single
 def test_bad_averaging_combinations_are_refused_like_stock():
-    for extra, key in [({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor'"),
-                       ({"prescale_gradients": True}, "'prescale_gradients'")]:
+    for extra, key in [
+        ({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor'"),
+        ({"prescale_gradients": True}, "'prescale_gradients'"),
+    ]:
         model = torch.nn.Linear(4, 4)
         with pytest.raises(TensorShardConfigError, match=key):
             deepspeed.initialize(model=model, model_parameters=model.parameters(), config=tiny_config(**extra))
@@ -146,8 +160,9 @@ def test_model_only_loads_read_no_optimizer_file(tmp_path):
     for kwargs in ({"load_optimizer_states": False}, {"load_module_only": True}):
         torch.manual_seed(4)
         model = torch.nn.Linear(4, 4)
-        engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                     config=tiny_config())
+        engine, optimizer, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=tiny_config()
+        )
         path, _ = engine.load_checkpoint(str(tmp_path / "stage0"), **kwargs)
         assert path is not None
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), stock0.parameters()))
@@ -162,13 +177,17 @@ def test_fused_torch_adamw_resumes_with_step_where_torch_puts_it(tmp_path):
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         return deepspeed.initialize(model=model, optimizer=opt, config=tiny_config())
+
     engine, optimizer, *_ = make()
     _train(engine)
     engine.save_checkpoint(str(tmp_path / "c"), tag="t")
     reference = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, 4))], lr=1e-3, fused=True)
-    reference.load_state_dict({"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.zeros(4, 4),
-                                             "exp_avg_sq": torch.zeros(4, 4)}},
-                               "param_groups": [{**reference.param_groups[0], "params": [0]}]})
+    reference.load_state_dict(
+        {
+            "state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}},
+            "param_groups": [{**reference.param_groups[0], "params": [0]}],
+        }
+    )
     expected = next(iter(reference.state.values()))["step"]
     engine2, optimizer2, *_ = make()
     engine2.load_checkpoint(str(tmp_path / "c"))

@@ -2,11 +2,13 @@
 ``Trainer``, ``accelerate launch --use_deepspeed --deepspeed_config_file`` (a config with "auto" values) and
 Lightning's ``DeepSpeedStrategy``, each on 2 CPU ranks (gloo), exact against the same framework with stock
 ZeRO-2, and each resuming its own checkpoint (saved at step 3 of 6 on 2 ranks) through the framework on 3
-ranks (Lightning: 4, see lightning_run), matching stock ZeRO-2 resumed through the framework on the saving 2 ranks (Lightning's own resume
-does not reproduce the uninterrupted run, stock or not; ``FRAMEWORKS_OUT`` records by how much). The examples are ds_tensorshard/examples/{hf_trainer,
-accelerate_train,lightning_train}.py; tests/cpu_site lifts the frameworks' "CUDA only" checks (see there).
+ranks (Lightning: 4, see lightning_run), matching stock ZeRO-2 resumed through the framework on the saving 2
+ranks (Lightning's own resume does not reproduce the uninterrupted run, stock or not; ``FRAMEWORKS_OUT``
+records by how much). The examples are ds_tensorshard/examples/{hf_trainer, accelerate_train,lightning_train}.py;
+tests/cpu_site lifts the frameworks' "CUDA only" checks (see there).
 The first run installs the ``frameworks`` extra into this venv when it is missing.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,10 +34,12 @@ FP32_LOSS, FP32_PARAM = 1e-5, 1e-5
 def frameworks_installed():
     missing = [m for m in ("transformers", "accelerate", "lightning") if importlib.util.find_spec(m) is None]
     if missing:
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             from venvs import UNREACHABLE
+
             if any(word in proc.stdout + proc.stderr for word in UNREACHABLE):
                 pytest.skip(f"cannot install {missing}: the package registry is unreachable")
             raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -51,8 +55,13 @@ def assert_same_run(ours: dict, reference: dict, where: str, steps=None) -> tupl
     assert ours["params"].keys() == reference["params"].keys(), where
     param = 0.0
     for name, value in reference["params"].items():
-        torch.testing.assert_close(ours["params"][name], value, rtol=FP32_PARAM, atol=FP32_PARAM,
-                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+        torch.testing.assert_close(
+            ours["params"][name],
+            value,
+            rtol=FP32_PARAM,
+            atol=FP32_PARAM,
+            msg=lambda m, name=name: f"{where} {name}: {m}",
+        )
         param = max(param, float((ours["params"][name] - value).abs().max()))
     record(where, loss, param)
     return loss, param
@@ -67,8 +76,7 @@ def record(where: str, loss: float, param: float) -> None:
 def check_framework(name: str, run, tmp_path, resume_ranks: int = RESUME_RANKS) -> None:
     """stock ZeRO-2 and ds_tensorshard on 2 ranks, saving at step 3; stock resumed through the framework on
     the same 2 ranks, ds_tensorshard resumed through it on 3 ranks: the two resumed runs agree."""
-    stock, ours, stock_resumed, resumed = (run(mode, tmp_path) for mode in ("stock", "ts", "stock_resume",
-                                                                             "ts_resume"))
+    stock, ours, stock_resumed, resumed = (run(mode, tmp_path) for mode in ("stock", "ts", "stock_resume", "ts_resume"))
     assert stock["optimizer_class"] == stock_resumed["optimizer_class"] == "DeepSpeedZeroOptimizer"
     assert ours["optimizer_class"] == resumed["optimizer_class"] == "TensorShardOptimizer"
     assert sorted(ours["losses"]) == list(range(1, 7))
@@ -100,7 +108,9 @@ def hf_run(mode: str, tmp_path) -> dict:
     if mode == "ts":  # the Trainer's checkpoint is ds_tensorshard's: a rank file per saving rank
         names = sorted(os.listdir(saved / "checkpoint-3" / "global_step3"))
         assert [n for n in names if n.endswith("optim_states.pt")] == [
-            "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ]
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt.sha256" in names
     return load(results)
 
@@ -125,15 +135,32 @@ def accelerate_run(mode: str, tmp_path) -> dict:
     stock = mode.startswith("stock")
     results = tmp_path / f"acc_{mode}.pt"
     ranks, accum = (RESUME_RANKS, RESUME_ACCUM) if mode == "ts_resume" else (2, 3)
-    cmd = [os.path.join(BIN, "accelerate"), "launch", "--use_deepspeed", "--deepspeed_config_file",
-           accelerate_config(tmp_path, stock), "--num_processes", str(ranks), "--num_machines", "1",
-           "--main_process_port", str(free_port()), "-m", "ds_tensorshard.examples.accelerate_train",
-           "--out", str(tmp_path / ("stock" if stock else "ts")), "--grad-accum", str(accum),
-           "--results", str(results)]
+    cmd = [
+        os.path.join(BIN, "accelerate"),
+        "launch",
+        "--use_deepspeed",
+        "--deepspeed_config_file",
+        accelerate_config(tmp_path, stock),
+        "--num_processes",
+        str(ranks),
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "ds_tensorshard.examples.accelerate_train",
+        "--out",
+        str(tmp_path / ("stock" if stock else "ts")),
+        "--grad-accum",
+        str(accum),
+        "--results",
+        str(results),
+    ]
     if mode.endswith("resume"):
         cmd += ["--resume", str(tmp_path / ("stock" if stock else "ts") / "step_3")]
-    proc = subprocess.run(cmd, env={**launcher_env(), **CPU_SITE}, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, env={**launcher_env(), **CPU_SITE}, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return load(results)
 
@@ -150,8 +177,19 @@ def lightning_run(mode: str, tmp_path) -> dict:
     # rank per epoch and the same accumulation, so the other world size is 4 ranks of micro batch 1 (not 3 x 2)
     devices, micro = (4, 1) if mode == "ts_resume" else (2, 2)
     saved = tmp_path / ("stock" if stock else "ts")
-    cmd = [sys.executable, "-m", "ds_tensorshard.examples.lightning_train", "--devices", str(devices),
-           "--micro-batch", str(micro), "--grad-accum", "3", "--results", str(results)] + (["--stock"] if stock else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_tensorshard.examples.lightning_train",
+        "--devices",
+        str(devices),
+        "--micro-batch",
+        str(micro),
+        "--grad-accum",
+        "3",
+        "--results",
+        str(results),
+    ] + (["--stock"] if stock else [])
     if mode.endswith("resume"):
         cmd += ["--resume", str(saved / "step3.ckpt"), "--out", str(tmp_path / f"{mode}_out")]
     else:

@@ -1,4 +1,5 @@
 """The equivalence run at world size 1 with NCCL and CUDA FusedAdam; skipped without CUDA."""
+
 import os
 
 import pytest
@@ -6,15 +7,20 @@ import torch
 from equivalence_worker import GAS, STEPS
 from ranks import run_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL + CUDA FusedAdam)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL + CUDA FusedAdam)"),
+]
 CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m in ("stock", "ts") for s in (1, 2)]
 TOLERANCE = {"fp32": (1e-5, 1e-5, 5e-6), "bf16": (2e-3, 2**-7, 1e-3), "fp16": (1e-3, 2**-9, 1e-3)}
 
 
 def test_cuda_equivalence_world_size_1(tmp_path):
-    run_ranks([os.path.join(os.path.dirname(__file__), "equivalence_worker.py"), str(tmp_path), *CASES], 1,
-              env={"DS_ACCELERATOR": "cuda"})
+    run_ranks(
+        [os.path.join(os.path.dirname(__file__), "equivalence_worker.py"), str(tmp_path), *CASES],
+        1,
+        env={"DS_ACCELERATOR": "cuda"},
+    )
     for case in CASES:
         dtype, mode, stage = case.split(":")
         if mode != "ts":

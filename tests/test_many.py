@@ -4,6 +4,7 @@ Three TinyGPTs of different sizes, dtypes and stages (fp32 and bf16 at stage 2, 
 train in one loop; each must match training it alone under stock ZeRO of its stage, and step_many
 must equal stepping the engines one by one.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """``python -m ds_tensorshard SCRIPT``: an unmodified script runs with the plugin, also under the deepspeed launcher."""
+
 import json
 import os
 import sys
@@ -13,8 +14,10 @@ SCRIPT = os.path.join(HERE, "plain_train.py")
 
 
 def results(output: str) -> list[dict]:
-    return sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),
-                  key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
 
 
 def test_split_argv_hands_launcher_flags_to_the_script():
@@ -39,8 +42,7 @@ def test_deepspeed_launcher_with_module_flag_runs_unmodified_script():
 def test_plain_python_without_the_runner_gets_stock_deepspeed():
     # the same script run directly never registers the plugin: the tensorshard block is inert
     env = rank_env(0, 1, free_port())
-    proc = run_in_group([sys.executable, SCRIPT, "--steps", "1"], env=env,
-                          timeout=TIMEOUT_S)
+    proc = run_in_group([sys.executable, SCRIPT, "--steps", "1"], env=env, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert [r["optimizer"] for r in results(proc.stdout)] == ["DeepSpeedZeroOptimizer"]
 

@@ -1,5 +1,6 @@
 """The mpi comm backend and MPI launches (pip's mpich): mpiexec, mpiexec -f HOSTFILE, deepspeed --launcher mpich,
 python -m ds_tensorshard under mpiexec, and the refusal when MPI and torch.distributed worlds differ."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ HERE = os.path.dirname(__file__)
 BIN = os.path.dirname(sys.executable)
 MPIEXEC = os.path.join(BIN, "mpiexec")
 PLAIN = os.path.join(HERE, "plain_train.py")
-CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m, s in
-         (("stock", 2), ("ts", 2), ("tsmpi", 2), ("stock", 1), ("tsmpi", 1))]
+CASES = [
+    f"{d}:{m}:{s}"
+    for d in ("fp32", "bf16")
+    for m, s in (("stock", 2), ("ts", 2), ("tsmpi", 2), ("stock", 1), ("tsmpi", 1))
+]
 
 
 def mpi_env(port: int) -> dict:
@@ -32,8 +36,10 @@ def mpiexec(args, n, extra=()):
 
 
 def results(output: str) -> list[dict]:
-    return sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),
-                  key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -47,8 +53,11 @@ def mpi_world(request, tmp_path_factory):
 def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
     n, load = mpi_world
     for dtype in ("fp32", "bf16"):
-        for mpi_case, reference in [(f"{dtype}:tsmpi:2", f"{dtype}:stock:2"), (f"{dtype}:tsmpi:2", f"{dtype}:ts:2"),
-                                    (f"{dtype}:tsmpi:1", f"{dtype}:stock:1")]:
+        for mpi_case, reference in [
+            (f"{dtype}:tsmpi:2", f"{dtype}:stock:2"),
+            (f"{dtype}:tsmpi:2", f"{dtype}:ts:2"),
+            (f"{dtype}:tsmpi:1", f"{dtype}:stock:1"),
+        ]:
             for rank in range(n):
                 ours, ref = load(mpi_case, rank), load(reference, rank)
                 assert ours["optimizer_class"] == "TensorShardOptimizer"
@@ -58,8 +67,10 @@ def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
 
 def test_mpiexec_runs_unmodified_script_through_the_module_runner():
     found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi", "--port", str(free_port())], 2))
-    assert [(r["rank"], r["optimizer"], r["transport"]) for r in found] == [(0, "TensorShardOptimizer", "MpiComm"),
-                                                                           (1, "TensorShardOptimizer", "MpiComm")]
+    assert [(r["rank"], r["optimizer"], r["transport"]) for r in found] == [
+        (0, "TensorShardOptimizer", "MpiComm"),
+        (1, "TensorShardOptimizer", "MpiComm"),
+    ]
     assert found[0]["params_digest"] == found[1]["params_digest"]
 
 
@@ -74,11 +85,26 @@ def test_deepspeed_launcher_mpich_with_hostfile(tmp_path):
     # DeepSpeed 0.19.8's mpich runner breaks on --module (it passes -m to its own helper script), so the
     # runner is given ds_tensorshard/__main__.py as the script, as launch/deepspeed_mpi.sh does
     import ds_tensorshard.__main__ as runner
+
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    cmd = [os.path.join(BIN, "deepspeed"), "--hostfile", str(hostfile), "--launcher", "mpich", "--force_multi",
-           "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           runner.__file__, PLAIN, "--comm-backend", "mpi"]
+    cmd = [
+        os.path.join(BIN, "deepspeed"),
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "mpich",
+        "--force_multi",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        runner.__file__,
+        PLAIN,
+        "--comm-backend",
+        "mpi",
+    ]
     proc = run_in_group(cmd, env=mpi_env(free_port()), timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     found = results(proc.stdout)
@@ -94,9 +120,10 @@ def test_mpi_backend_under_a_non_mpi_launcher_is_refused_with_the_launcher_to_us
 
 
 def test_comm_bench_reports_both_backends():
-    out = mpiexec(["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1000", "--repeats", "1",
-                   "--port", str(free_port())], 2)
-    rows = [json.loads(line[len("COMM "):]) for line in out.splitlines() if line.startswith("COMM ")]
+    out = mpiexec(
+        ["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1000", "--repeats", "1", "--port", str(free_port())], 2
+    )
+    rows = [json.loads(line[len("COMM ") :]) for line in out.splitlines() if line.startswith("COMM ")]
     assert [(r["backend"], r["ranks"], r["numel"]) for r in rows] == [("torch", 2, 1000), ("mpi", 2, 1000)]
     assert all(r["median_s"] > 0 for r in rows)
 
@@ -111,11 +138,17 @@ def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
 
 
 def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
-    cases = [f"{s}:{m}" for s in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1") for m in ("stock", "tsmpi")]
+    cases = [
+        f"{s}:{m}" for s in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1") for m in ("stock", "tsmpi")
+    ]
     mpiexec([os.path.join(HERE, "feature_worker.py"), str(tmp_path), *cases], 2)
     for scenario in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1"):
         for rank in range(2):
             ours = torch.load(tmp_path / f"{scenario}_tsmpi.rank{rank}.pt")
             assert ours["optimizer_class"] == "TensorShardOptimizer"
-            assert_run_matches(ours, torch.load(tmp_path / f"{scenario}_stock.rank{rank}.pt"),
-                               "fp32" if scenario == "no_sync_stage1" else "bf16", f"{scenario} rank {rank}")
+            assert_run_matches(
+                ours,
+                torch.load(tmp_path / f"{scenario}_stock.rank{rank}.pt"),
+                "fp32" if scenario == "no_sync_stage1" else "bf16",
+                f"{scenario} rank {rank}",
+            )

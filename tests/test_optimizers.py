@@ -6,6 +6,7 @@ client LAMB, torch's Muon) must match the unsharded reference, stock stage 0 wit
 which stock ZeRO-2 does not (see the README). At 2 and 3 ranks, fp32 and bf16, GAS 2, clipping 1.0.
 Every optimizer's state exists only for owned tensors, and its checkpoint resumes at another world size.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,11 +56,17 @@ def test_elementwise_optimizer_matches_stock_zero(trained, name, dtype):
 
 
 def _close(ours: dict, reference: dict, tol: dict, where: str) -> None:
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                               atol=tol["loss"], msg=lambda m: f"{where} losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]),
+        torch.tensor(reference["losses"]),
+        rtol=0,
+        atol=tol["loss"],
+        msg=lambda m: f"{where} losses: {m}",
+    )
     for name, value in reference["params"].items():
-        torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=tol["param"],
-                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+        torch.testing.assert_close(
+            ours["params"][name], value, rtol=0, atol=tol["param"], msg=lambda m, name=name: f"{where} {name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", WHOLE_MATRIX)
@@ -90,9 +97,12 @@ def test_state_exists_only_for_owned_tensors(trained, name):
     reference = load(f"{name}:fp32:stock:0", 0)["state_numel"] if name in WHOLE_MATRIX else None
     if reference is not None:  # the same state as the unsharded optimizer, split over the ranks
         assert total == reference, (name, total, reference)
-    expected = {"adagrad": {"sum", "step"}, "lion": {"exp_avg"}, "adafactor": {"row_var", "col_var", "variance",
-                                                                              "step"},
-                "muon": {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}}.get(name)
+    expected = {
+        "adagrad": {"sum", "step"},
+        "lion": {"exp_avg"},
+        "adafactor": {"row_var", "col_var", "variance", "step"},
+        "muon": {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"},
+    }.get(name)
     if expected is not None:
         assert set(per_rank[0]["owned_state_keys"]) == expected
 
@@ -115,8 +125,10 @@ def _max_param_diff(a: dict, b: dict) -> float:
 def test_stock_zero2_lands_far_from_the_reference_where_ds_tensorshard_does_not(trained, name):
     n, load = trained
     reference = load(f"{name}:fp32:stock:0", 0)
-    stock, ours = _max_param_diff(load(f"{name}:fp32:stock:2", 0), reference), _max_param_diff(
-        load(f"{name}:fp32:ts:2", 0), reference)
+    stock, ours = (
+        _max_param_diff(load(f"{name}:fp32:stock:2", 0), reference),
+        _max_param_diff(load(f"{name}:fp32:ts:2", 0), reference),
+    )
     assert stock > 1e-3 and ours < stock / 100, (name, stock, ours)
 
 
@@ -161,10 +173,23 @@ def test_state_resumes_exactly_and_at_another_world_size(tmp_path, name):
 
 def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
     import sys
+
     reference = train(tmp_path / "ref.pt", 2, "adagrad", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(tmp_path / "c"),
-                           str(tmp_path / "z"), "--to", "zero", "--world-size", "3"],
-                          timeout=300)
+    proc = run_in_group(
+        [
+            sys.executable,
+            "-m",
+            "ds_tensorshard.cli",
+            "convert-checkpoint",
+            str(tmp_path / "c"),
+            str(tmp_path / "z"),
+            "--to",
+            "zero",
+            "--world-size",
+            "3",
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     stock = train(tmp_path / "s.pt", 3, "adagrad", "--load", tmp_path / "z", mode="stock")
     assert_continues(stock, reference, TOLERANCE["fp32"])
@@ -174,8 +199,20 @@ def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
 
 def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path):
     import sys
+
     train(tmp_path / "ref.pt", 2, "adafactor", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(tmp_path / "c"),
-                           str(tmp_path / "z"), "--to", "zero"], timeout=300)
+    proc = run_in_group(
+        [
+            sys.executable,
+            "-m",
+            "ds_tensorshard.cli",
+            "convert-checkpoint",
+            str(tmp_path / "c"),
+            str(tmp_path / "z"),
+            "--to",
+            "zero",
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 2 and "optimizer state 'row_var'" in proc.stderr, proc.stderr
     assert not (tmp_path / "z" / "latest").exists()

@@ -7,6 +7,7 @@ ds_tensorshard must train exactly as stock ZeRO-1/2 (the global norm counts ever
 shard once and replicated tensors once), save one file set per model-parallel rank with stock's
 names, resume at another data-parallel size, and convert to and from stock ZeRO checkpoints.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,11 @@ def tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     run_ranks([WORKER, str(out), "2", *CASES], 4)
     port = free_port()
-    proc = run_in_group([MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
-                          env={**launcher_env(), "MASTER_PORT": str(port)},
-                          timeout=TIMEOUT_S)
+    proc = run_in_group(
+        [MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
+        env={**launcher_env(), "MASTER_PORT": str(port)},
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
@@ -59,6 +62,7 @@ def test_tensor_parallel_ranks_hold_their_shards_and_the_same_replicas(tp):
 
 # -- checkpoints per model-parallel rank ------------------------------------------------------------
 
+
 def train(out, world, *args):
     run_ranks([WORKER, str(out), "2", *map(str, args)], world)
     return [torch.load(out / f"{args[0].replace(':', '_')}.rank{r}.pt") for r in range(world)]
@@ -74,9 +78,21 @@ def tp_checkpoints(tmp_path_factory):
     runs["2to1"] = train(d / "l21", 2, "fp32:ts:2", "--load", d / "c")  # 2 tp x 1 dp
     runs["stock"] = train(d / "stock", 4, "fp32:stock:2", "--save", d / "s")
     runs["stock2to1"] = train(d / "ls21", 2, "fp32:ts:2", "--load", d / "s")
-    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(d / "c"),
-                           str(d / "z"), "--to", "zero", "--world-size", "1"],
-                          timeout=300)
+    proc = run_in_group(
+        [
+            sys.executable,
+            "-m",
+            "ds_tensorshard.cli",
+            "convert-checkpoint",
+            str(d / "c"),
+            str(d / "z"),
+            "--to",
+            "zero",
+            "--world-size",
+            "1",
+        ],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     runs["zero2to1"] = train(d / "lz21", 2, "fp32:stock:2", "--load", d / "z")
     return runs
@@ -108,14 +124,21 @@ def test_resume_at_another_data_parallel_size_with_the_same_tensor_parallel_size
 
 # -- refused layouts: named, at initialize, before the model is touched (one rank, in this process) ---------
 
+
 def _refused(model, config, message, mpu=None):
     import deepspeed
 
     import ds_tensorshard  # noqa: F401
     from ds_tensorshard.config import TensorShardConfigError
+
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "tensorshard": {"enabled": True}, "bf16": {"enabled": True}, **config}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "tensorshard": {"enabled": True},
+        "bf16": {"enabled": True},
+        **config,
+    }
     with pytest.raises(TensorShardConfigError, match=message):
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
     # the bf16 cast of an engine that got further would have changed the weights
@@ -124,14 +147,23 @@ def _refused(model, config, message, mpu=None):
 
 
 @pytest.mark.usefixtures("single_rank_world")
-@pytest.mark.parametrize("config,message", [
-    ({"zero_optimization": {"stage": 2}}, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
-    ({"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}, "'data_types.grad_accum_dtype'")])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"zero_optimization": {"stage": 2}}, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+        (
+            {"zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+            "'data_types.grad_accum_dtype'",
+        ),
+    ],
+)
 def test_pipeline_module_with_stage_2_or_fp32_accumulation_is_refused(config, message):
     from deepspeed.pipe import LayerSpec, PipelineModule
+
     torch.manual_seed(0)
-    model = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1,
-                           loss_fn=torch.nn.MSELoss())
+    model = PipelineModule(
+        [LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss()
+    )
     _refused(model, config, message)
 
 
@@ -139,16 +171,24 @@ def test_pipeline_module_with_stage_2_or_fp32_accumulation_is_refused(config, me
 def test_device_mesh_sequence_parallelism_is_refused():
     # deepspeed.initialize itself cannot build a 2-way sequence mesh on one rank: the check is called directly
     from ds_tensorshard.config import TensorShardConfigError, validate_parallel_layout
-    config = {"train_batch_size": 2, "sequence_parallel_size": 2, "tensorshard": {"enabled": True},
-              "zero_optimization": {"stage": 2}}
+
+    config = {
+        "train_batch_size": 2,
+        "sequence_parallel_size": 2,
+        "tensorshard": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+    }
     with pytest.raises(TensorShardConfigError, match="'sequence_parallel_size' 2"):
         validate_parallel_layout(torch.nn.Linear(4, 4), None, config)
 
 
 @pytest.mark.usefixtures("single_rank_world")
 def test_autotp_is_refused():
-    _refused(torch.nn.Linear(4, 4), {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}},
-             "'tensor_parallel.autotp_size' 2")
+    _refused(
+        torch.nn.Linear(4, 4),
+        {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}},
+        "'tensor_parallel.autotp_size' 2",
+    )
 
 
 @pytest.mark.usefixtures("single_rank_world")
@@ -162,6 +202,7 @@ def test_moe_is_refused_naming_the_first_expert_parameter():
 
         def forward(self, x):
             return self.moe(x)[0].sum()
+
     _refused(WithExperts(), {"zero_optimization": {"stage": 2}}, r"MoE expert parameter 'moe\.deepspeed_moe\.experts")
 
 
@@ -175,8 +216,15 @@ def pipe_runs(out, world, *args) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     run_ranks([PIPE, str(out), *map(str, args)], world)
     cases = [a for a in args if ":" in str(a)]
-    return {case: {torch.load(out / f"{case.replace(':', '_')}.rank{r}.pt")["stage"]:
-                   torch.load(out / f"{case.replace(':', '_')}.rank{r}.pt") for r in range(world)} for case in cases}
+    return {
+        case: {
+            torch.load(out / f"{case.replace(':', '_')}.rank{r}.pt")["stage"]: torch.load(
+                out / f"{case.replace(':', '_')}.rank{r}.pt"
+            )
+            for r in range(world)
+        }
+        for case in cases
+    }
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +237,9 @@ def pipeline(tmp_path_factory):
     return runs
 
 
-def assert_stages_match(ours: dict, stock: dict, dtype: str, where: str, first_step: int = 0,
-                        param_atol: float | None = None) -> None:
+def assert_stages_match(
+    ours: dict, stock: dict, dtype: str, where: str, first_step: int = 0, param_atol: float | None = None
+) -> None:
     for stage, result in ours.items():
         ref = stock[stage]
         assert sorted(result["losses"]) == list(range(first_step, 6)), where
@@ -241,14 +290,18 @@ def test_pipeline_at_three_data_parallel_ranks(tmp_path):
 
 # -- Ulysses sequence parallelism: 2 sequence-parallel x 2 data-parallel ranks --------------------------------
 
+
 @pytest.fixture(scope="module")
 def ulysses(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp")
     cases = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m in ("stock", "ts") for s in (1, 2)]
     run_ranks([os.path.join(HERE, "sp_worker.py"), str(out), "2", *cases], 4)
     port = free_port()
-    proc = run_in_group([MPIEXEC, "-n", "4", sys.executable, os.path.join(HERE, "sp_worker.py"), str(out), "2",
-                           "fp32:tsmpi:2"], env={**launcher_env(), "MASTER_PORT": str(port)}, timeout=TIMEOUT_S)
+    proc = run_in_group(
+        [MPIEXEC, "-n", "4", sys.executable, os.path.join(HERE, "sp_worker.py"), str(out), "2", "fp32:tsmpi:2"],
+        env={**launcher_env(), "MASTER_PORT": str(port)},
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 

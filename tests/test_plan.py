@@ -1,4 +1,5 @@
 """Ownership plan: whole tensors where they fit, dim-0 blocks where they cannot; balanced, deterministic."""
+
 import random
 
 import pytest
@@ -140,6 +141,7 @@ def test_presets_are_balanced_at_every_world_size_up_to_1024(preset):
 
 def test_newton_schulz_work_is_balanced_first_and_elements_evened_out_around_it():
     from ds_tensorshard.inner_optimizer import newton_schulz_work
+
     matrices = [(f"m{i}", (64, 256)) for i in range(6)] + [(f"n{i}", (256, 256)) for i in range(3)]
     rest = [("embed", (1000, 64)), *[(f"v{i}", (64,)) for i in range(10)]]
     work = {name: newton_schulz_work(shape) for name, shape in matrices}

@@ -6,6 +6,7 @@ a reduce: they raise naming the step, the bucket and its first tensor, the trans
 (torch transport), or abort the MPI job so that mpiexec returns (mpi transport). A rank that skips a step
 is caught at the next global-norm all-reduce on both transports.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,17 @@ def events(text: str) -> dict[str, float]:
 def run_ranks_until_rank0_ends(mode: str) -> tuple[int, float, str, str]:
     """Two ranks (torch transport); returns rank 0's exit code, exit time and output, and rank 1's output."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, mode, "torch", str(TIMEOUT_S)], env=rank_env(r, 2, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, mode, "torch", str(TIMEOUT_S)],
+            env=rank_env(r, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
     try:
         out0 = procs[0].communicate(timeout=180)[0]
         ended = time.time()
@@ -44,9 +53,14 @@ def run_ranks_until_rank0_ends(mode: str) -> tuple[int, float, str, str]:
 
 
 def run_mpiexec(mode: str) -> tuple[int, float, str]:
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, WORKER, mode, "mpi", str(TIMEOUT_S)],
-                            env={**launcher_env(), "MASTER_PORT": str(free_port())}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", sys.executable, WORKER, mode, "mpi", str(TIMEOUT_S)],
+        env={**launcher_env(), "MASTER_PORT": str(free_port())},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out = proc.communicate(timeout=180)[0]
     finally:
@@ -61,9 +75,12 @@ def test_stopped_rank_torch_transport_others_raise_within_the_deadline():
     print(f"torch transport, rank 1 stopped: rank 0 ended {ended - stopped:.1f} s later")
     assert code != 0 and "step2" not in events(out0)
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
-    assert re.search(r"ds_tensorshard: step 2, reduce of bucket \d+ of \d+ \(first tensor '[\w.]+', [\d,]+ elements\): "
-                     r"reduce to rank \d did not complete within tensorshard.timeout_s=5 s on the torch \(gloo\) "
-                     r"transport; ranks that have not arrived: \[1\]", out0), out0[-3000:]
+    assert re.search(
+        r"ds_tensorshard: step 2, reduce of bucket \d+ of \d+ \(first tensor '[\w.]+', [\d,]+ elements\): "
+        r"reduce to rank \d did not complete within tensorshard.timeout_s=5 s on the torch \(gloo\) "
+        r"transport; ranks that have not arrived: \[1\]",
+        out0,
+    ), out0[-3000:]
 
 
 def test_stopped_rank_mpi_transport_aborts_the_job_within_the_deadline():
@@ -72,8 +89,11 @@ def test_stopped_rank_mpi_transport_aborts_the_job_within_the_deadline():
     print(f"mpi transport, rank 1 stopped: mpiexec returned {ended - stopped:.1f} s later")
     assert code != 0 and "done" not in events(out)
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
-    assert re.search(r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi transport; ranks that have not "
-                     r"arrived: \[1\]", out), out[-3000:]
+    assert re.search(
+        r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi transport; ranks that have not "
+        r"arrived: \[1\]",
+        out,
+    ), out[-3000:]
 
 
 @pytest.mark.parametrize("transport", ["torch", "mpi"])
@@ -90,8 +110,11 @@ def test_rank_that_skips_a_step_leaves_the_others_to_the_deadline_naming_it(tran
     print(f"{transport} transport, rank 1 ended a step early: rank 0 ended {ended - events(out)['done']:.1f} s later")
     assert ended - events(out)["done"] <= TIMEOUT_S + GRACE_S + SLACK_S
     transport_name = r"torch \(gloo\)" if transport == "torch" else "mpi"
-    assert re.search(rf"ds_tensorshard: step 5, reduce of bucket \d+ .* on the {transport_name} transport; ranks that "
-                     rf"have not arrived: \[1\]", out), out[-3000:]
+    assert re.search(
+        rf"ds_tensorshard: step 5, reduce of bucket \d+ .* on the {transport_name} transport; ranks that "
+        rf"have not arrived: \[1\]",
+        out,
+    ), out[-3000:]
 
 
 @pytest.mark.parametrize("transport", ["torch", "mpi"])
@@ -107,13 +130,30 @@ def test_ranks_at_different_steps_are_named_at_the_first_norm(transport):
 
 
 def test_killed_rank_ends_the_job_promptly_under_both_launchers(tmp_path):
-    deepspeed = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-                 str(free_port()), WORKER, "kill", "torch", "600"]
-    for name, command in (("deepspeed", deepspeed), ("mpiexec", [MPIEXEC, "-n", "2", sys.executable, WORKER, "kill",
-                                                                 "mpi", "600"])):
+    deepspeed = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        WORKER,
+        "kill",
+        "torch",
+        "600",
+    ]
+    for name, command in (
+        ("deepspeed", deepspeed),
+        ("mpiexec", [MPIEXEC, "-n", "2", sys.executable, WORKER, "kill", "mpi", "600"]),
+    ):
         log = tmp_path / f"{name}.events"
-        proc = subprocess.Popen(command, env={**launcher_env(), "MASTER_PORT": str(free_port()), "HANG_EVENTS": str(log)},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            env={**launcher_env(), "MASTER_PORT": str(free_port()), "HANG_EVENTS": str(log)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out = proc.communicate(timeout=180)[0]
             ended = time.time()
@@ -128,13 +168,34 @@ def test_killed_rank_ends_the_job_promptly_under_both_launchers(tmp_path):
 def test_save_that_fails_on_one_rank_fails_everywhere_and_loses_nothing(tmp_path):
     import torch
     from ranks import run_ranks
+
     worker = os.path.join(HERE, "checkpoint_worker.py")
     save = tmp_path / "c"
-    outputs = run_ranks([worker, str(tmp_path / "failed.pt"), "fp32", "ts", "2", "6", "--save", str(save),
-                         "--save-at", "2", "4", "--fail-save-at", "4"], 2, check=False)
+    outputs = run_ranks(
+        [
+            worker,
+            str(tmp_path / "failed.pt"),
+            "fp32",
+            "ts",
+            "2",
+            "6",
+            "--save",
+            str(save),
+            "--save-at",
+            "2",
+            "4",
+            "--fail-save-at",
+            "4",
+        ],
+        2,
+        check=False,
+    )
     for out in outputs:  # every rank reports it, naming rank 1's file (torch's zip writer words EFBIG its own way)
-        assert re.search(r"SAVE FAILED saving checkpoint .*step4 failed on rank 1 \(.*zero_pp_rank_1_mp_rank_00_optim_"
-                         r"states\.pt: \w+Error: .*\); nothing of it was kept and 'latest' was not moved", out), out[-3000:]
+        assert re.search(
+            r"SAVE FAILED saving checkpoint .*step4 failed on rank 1 \(.*zero_pp_rank_1_mp_rank_00_optim_"
+            r"states\.pt: \w+Error: .*\); nothing of it was kept and 'latest' was not moved",
+            out,
+        ), out[-3000:]
     assert (save / "latest").read_text() == "step2"
     names = set(os.listdir(save))  # nothing of the failed save: no tag folder, no staging folder
     assert "step2" in names and "step4" not in names and not any(n.startswith(".") for n in names), names

@@ -1,4 +1,5 @@
 """``ds-tensorshard report``: in process (ds_tensorshard.report) and through the command line."""
+
 from __future__ import annotations
 
 import json
@@ -18,15 +19,20 @@ from ds_tensorshard.models import preset_shapes
 from ds_tensorshard.plan_report import plan_report
 
 CLI = os.path.join(os.path.dirname(sys.executable), "ds-tensorshard")
-GOOD = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000},
-        "tensorshard": {"enabled": True, "comm_backend": "mpi", "split_tensors": "never"}}
+GOOD = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000},
+    "tensorshard": {"enabled": True, "comm_backend": "mpi", "split_tensors": "never"},
+}
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, "report", *args], capture_output=True, text=True, timeout=180,
-                          env={**launcher_env(), **(env or {})})
+    return subprocess.run(
+        [CLI, "report", *args], capture_output=True, text=True, timeout=180, env={**launcher_env(), **(env or {})}
+    )
 
 
 def write(tmp_path, config: dict, name: str = "ds_config.json") -> str:
@@ -41,6 +47,7 @@ def test_versions_mpi_library_and_transports_of_this_machine():
     assert found["versions"]["deepspeed"] == deepspeed.__version__
     assert found["versions"]["deepspeed_unsupported"] is None
     from mpi4py import MPI
+
     assert found["mpi"]["library"] == " ".join(MPI.Get_library_version().splitlines()[0].split())
     assert found["mpi"]["library"].startswith("MPICH")  # the project venv's MPI (the mpich extra)
     assert found["mpi"]["cuda_aware"] is False  # pip's MPICH is configured without CUDA
@@ -52,6 +59,7 @@ def test_versions_mpi_library_and_transports_of_this_machine():
 
 def test_fused_adam_is_found_where_torch_builds_it(monkeypatch, tmp_path):
     from torch.utils.cpp_extension import _get_build_directory
+
     found = report.fused_adam()  # where torch builds now: TORCH_EXTENSIONS_DIR (as setup_env.sh sets it) or its default
     assert found["folder"] == _get_build_directory("fused_adam", False)
     # launch/setup_env.sh builds FusedAdam once before the tests, in that folder
@@ -111,13 +119,18 @@ def test_config_accepted_and_its_plan_uses_the_config(tmp_path):
 
 
 def test_refusal_has_the_message_initialize_gives(tmp_path, single_rank_world):
-    bad = {**GOOD, "train_batch_size": 2, "gradient_accumulation_steps": 1,
-           "tensorshard": {"enabled": True, "bucket_size": 3}}
+    bad = {
+        **GOOD,
+        "train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "tensorshard": {"enabled": True, "bucket_size": 3},
+    }
     found = report.check_config(bad)
     assert not found["accepted"] and found["deepspeed"] == "accepted"
     with pytest.raises(TensorShardConfigError) as raised:
-        deepspeed.initialize(model=torch.nn.Linear(4, 4), model_parameters=torch.nn.Linear(4, 4).parameters(),
-                             config=bad)
+        deepspeed.initialize(
+            model=torch.nn.Linear(4, 4), model_parameters=torch.nn.Linear(4, 4).parameters(), config=bad
+        )
     assert found["tensorshard"] == f"TensorShardConfigError: {raised.value}"
     assert "unknown key 'tensorshard.bucket_size'" in found["tensorshard"]
 
@@ -133,13 +146,22 @@ def test_deepspeed_refusals_and_batch_size_at_the_world_size():
 
 
 def test_auto_values_are_listed_and_left_to_the_framework():
-    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "tensorshard": {"enabled": True}}
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+        "tensorshard": {"enabled": True},
+    }
     found = report.check_config(config)
     assert found["accepted"], found
-    assert found["auto_keys"] == ["train_batch_size", "train_micro_batch_size_per_gpu", "optimizer.params.lr",
-                                  "optimizer.params.weight_decay", "zero_optimization.reduce_bucket_size"]
+    assert found["auto_keys"] == [
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "optimizer.params.lr",
+        "optimizer.params.weight_decay",
+        "zero_optimization.reduce_bucket_size",
+    ]
 
 
 @pytest.mark.multiprocess
@@ -149,7 +171,9 @@ def test_cli_json_for_scripts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout)
     assert found["config"]["accepted"] and [p["world_size"] for p in found["plans"]] == [2, 4]
-    assert found["plans"][1]["numel_per_rank"] == plan_report(preset_shapes("demo"), 4, 50000, "never")["numel_per_rank"]
+    assert (
+        found["plans"][1]["numel_per_rank"] == plan_report(preset_shapes("demo"), 4, 50000, "never")["numel_per_rank"]
+    )
     assert found["mpi"]["library"].startswith("MPICH")
     refused = cli("--config", write(tmp_path, {**GOOD, "tensorshard": {"enabled": True, "comm_backend": "nccl"}}))
     assert refused.returncode == 1

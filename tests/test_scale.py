@@ -7,6 +7,7 @@ bounded by the bucket size; reductions under way before backward reaches the emb
 checkpoints that resume across a change of plan (split <-> whole, 4 <-> 2 ranks; 8 <-> 3 ranks
 behind the marker), convert to stock ZeRO and to fp32 weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,12 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 VOCAB = {"EQ_VOCAB": "1024"}
 BUCKET = 3000  # zero_optimization.reduce_bucket_size of the equivalence configs
 TORCH_CASES = [f"{d}:{c}" for d in ("fp32", "bf16") for c in ("stock:2", "stock:1", "ts:2", "ts:2:never", "ts:1")]
-MPI_CASES = [f"{d}:{c}" for d in ("fp32", "bf16") for c in ("stock:2", "tsmpi:2", "tsmpi:2:never", "stock:1", "tsmpi:1")]
-PAIRS = [(f"{d}:{ts}", f"{d}:stock:{ts.split(':')[1]}") for d in ("fp32", "bf16")
-         for ts in ("ts:2", "ts:2:never", "ts:1")]
+MPI_CASES = [
+    f"{d}:{c}" for d in ("fp32", "bf16") for c in ("stock:2", "tsmpi:2", "tsmpi:2:never", "stock:1", "tsmpi:1")
+]
+PAIRS = [
+    (f"{d}:{ts}", f"{d}:stock:{ts.split(':')[1]}") for d in ("fp32", "bf16") for ts in ("ts:2", "ts:2:never", "ts:1")
+]
 
 
 def launch(n: int, transport: str, out) -> None:
@@ -33,16 +37,21 @@ def launch(n: int, transport: str, out) -> None:
         run_ranks([worker, str(out), *TORCH_CASES], n, env=VOCAB)
         return
     port = free_port()
-    proc = run_in_group([MPIEXEC, "-n", str(n), sys.executable, worker, str(out), *MPI_CASES],
-                          env={**launcher_env(), **VOCAB, "MASTER_PORT": str(port)},
-                          timeout=TIMEOUT_S)
+    proc = run_in_group(
+        [MPIEXEC, "-n", str(n), sys.executable, worker, str(out), *MPI_CASES],
+        env={**launcher_env(), **VOCAB, "MASTER_PORT": str(port)},
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 def world_params():
-    return [pytest.param((4, "torch"), id="4-torch"), pytest.param((4, "mpi"), id="4-mpi"),
-            pytest.param((8, "torch"), id="8-torch", marks=pytest.mark.scale),
-            pytest.param((8, "mpi"), id="8-mpi", marks=pytest.mark.scale)]
+    return [
+        pytest.param((4, "torch"), id="4-torch"),
+        pytest.param((4, "mpi"), id="4-mpi"),
+        pytest.param((8, "torch"), id="8-torch", marks=pytest.mark.scale),
+        pytest.param((8, "mpi"), id="8-mpi", marks=pytest.mark.scale),
+    ]
 
 
 @pytest.fixture(scope="module", params=world_params())
@@ -108,7 +117,9 @@ def assert_continues(resumed, reference, first_step=3):
 
 
 def cli(*args):
-    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300, env={**os.environ, **CKPT_ENV})
+    proc = run_in_group(
+        [sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300, env={**os.environ, **CKPT_ENV}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -129,9 +140,12 @@ def split_checkpoints(tmp_path_factory):
 
 def test_split_checkpoint_is_split_on_disk(split_checkpoints):
     from ds_tensorshard.checkpoint_files import load
+
     folder = split_checkpoints["dir"] / "c4" / "step3"
-    entries = [load(str(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]["tensors"]
-               for r in range(4)]
+    entries = [
+        load(str(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]["tensors"]
+        for r in range(4)
+    ]
     blocks = [e["wte.weight"]["block"] for e in entries if "wte.weight" in e]
     assert len(blocks) >= 2 and sorted(b[0] for b in blocks)[0] == 0
 
@@ -147,6 +161,7 @@ def test_split_checkpoint_converts_to_stock_zero_and_fp32(split_checkpoints):
     split, zero = torch.load(d / "split.fp32.pt"), torch.load(d / "zero.fp32.pt")
     assert split.keys() == zero.keys() and all(torch.equal(split[k], zero[k]) for k in split)
     from tiny_gpt import TinyGPT
+
     TinyGPT(vocab=1024, seq=16).load_state_dict(split, strict=True)
 
 

@@ -2,6 +2,7 @@
 every 500 steps, on both transports; one run resumed from step 1,000. The losses match an uninterrupted
 stock ZeRO-2 run to the fp32 tolerance, and no rank's peak RSS grows between step 200 and step 2,000 by
 more than 2% (no growth from hooks, pending work, cached buffers or step bookkeeping)."""
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,13 @@ STEPS = 2000
 def launch(mode: str, out, *extra) -> dict:
     args = [WORKER, str(out), mode, str(STEPS), *map(str, extra)]
     if mode == "tsmpi":
-        proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *args],
-                              env={**launcher_env(), "MASTER_PORT": str(free_port())}, capture_output=True,
-                              text=True, timeout=3600)
+        proc = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, *args],
+            env={**launcher_env(), "MASTER_PORT": str(free_port())},
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
         run_ranks(args, 2, timeout=3600)
@@ -48,6 +53,8 @@ def test_two_thousand_steps_with_checkpoints_and_a_resume_match_stock_without_gr
     assert all(from_middle["losses"][s] == full["losses"][s] for s in from_middle["losses"])  # bit for bit
     for rank, peaks in enumerate(full["peak_rss"]):
         growth = peaks[STEPS] / peaks[200] - 1
-        print(f"{mode} rank {rank}: peak RSS {peaks[200] / 2**20:.1f} MiB at step 200, "
-              f"{peaks[STEPS] / 2**20:.1f} MiB at step {STEPS} ({growth:+.2%})")
+        print(
+            f"{mode} rank {rank}: peak RSS {peaks[200] / 2**20:.1f} MiB at step 200, "
+            f"{peaks[STEPS] / 2**20:.1f} MiB at step {STEPS} ({growth:+.2%})"
+        )
         assert growth <= 0.02, (rank, peaks[200], peaks[STEPS])

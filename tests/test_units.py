@@ -1,5 +1,6 @@
 """Unit tests of the data path's modules in one process: reduce, update, gather, the transports and the
 checkpoint files, each against a transport that plays the other rank (no processes, no network)."""
+
 from __future__ import annotations
 
 import os
@@ -66,13 +67,21 @@ def test_reduce_averages_like_deepspeed_and_hands_this_rank_its_pieces():
 
 def test_reducer_starts_buckets_in_order_as_gradients_become_final_and_releases_them():
     ps = params((10,), (10,), (10,))
-    plan = plan_ownership([(f"p{i}", (10,)) for i in range(3)], 2, split="never",
-                          param_names={id(p): f"p{i}" for i, p in enumerate(ps)})
+    plan = plan_ownership(
+        [(f"p{i}", (10,)) for i in range(3)], 2, split="never", param_names={id(p): f"p{i}" for i, p in enumerate(ps)}
+    )
     backward = list(reversed(ps))
     buckets = build_buckets(backward, plan.blocks_of, bucket_numel=10)
     delivered = []
-    reducer = OverlappedReducer(buckets, PeerComm(), Averaging(), lambda b, s: delivered.append(s.clone()), ps,
-                                lambda p: "p", lambda order: build_buckets(order, plan.blocks_of, 10))
+    reducer = OverlappedReducer(
+        buckets,
+        PeerComm(),
+        Averaging(),
+        lambda b, s: delivered.append(s.clone()),
+        ps,
+        lambda p: "p",
+        lambda order: build_buckets(order, plan.blocks_of, 10),
+    )
     for p in ps:
         p.grad = torch.ones(10)
     reducer.gradient_ready(ps[0])  # produced out of backward order: its bucket is the last, nothing starts
@@ -94,6 +103,7 @@ def test_owned_shard_accumulates_pieces_clips_steps_and_writes_back():
     master = shard.masters[w]
     assert master.shape == (2, 2) and master.data_ptr() == w.data_ptr() + 2 * 4  # a view: no second copy
     from ds_tensorshard.buckets import Piece
+
     shard.accumulate(Piece(w, 2, 4), torch.ones(2))
     shard.accumulate(Piece(w, 4, 6), torch.full((2,), 3.0))
     shard.accumulate(Piece(w, 2, 4), torch.ones(2))  # a second micro-step
@@ -119,6 +129,7 @@ def test_gather_writes_the_other_owners_pieces_and_sends_its_own():
 @pytest.mark.usefixtures("single_rank_world")
 def test_torch_transport_at_one_rank_and_its_deadline():
     from ds_tensorshard.comm import TorchComm
+
     comm = TorchComm(None, timeout_s=5.0)
     t = torch.arange(4.0)
     comm.start_reduce(t, 0).wait()
@@ -145,6 +156,7 @@ def test_checkpoint_files_are_atomic_verified_and_refuse_code(tmp_path):
     class Payload:
         def __reduce__(self):
             return print, ("ran",)
+
     torch.save({"p": Payload()}, path)
     with pytest.raises(CheckpointError, match="refers to .*print"):
         load(path)

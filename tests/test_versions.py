@@ -3,11 +3,13 @@ own venv with torch 2.13.0 (tests/venvs.py makes .venv-dsX.Y.Z on first use; 0.1
 
 - Unshimmed: ``import ds_tensorshard`` refuses a release outside the declared range, naming both versions.
 - Shimmed (``DS_TENSORSHARD_UNTESTED_DEEPSPEED=1`` and tests/compat_site, which adds the helpers the
-  plugin used from 0.19.8 where they are missing; releases that still fail are strict xfails, naming why): the equivalence cases (fp32, bf16, fp16 x stages 1
-  and 2, 2 ranks) against stock ZeRO of the same release, and checkpoints (ds_tensorshard saved on 2 ranks
+  plugin used from 0.19.8 where they are missing; releases that still fail are strict xfails, naming why):
+  the equivalence cases (fp32, bf16, fp16 x stages 1 and 2, 2 ranks) against stock ZeRO of the same release,
+  and checkpoints (ds_tensorshard saved on 2 ranks
   resumed on 3; a stock ZeRO-2 checkpoint of that release resumed by ds_tensorshard) against the
   uninterrupted runs. ``VERSIONS_OUT=FILE`` appends one JSON line per release with the outcome.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,15 +43,26 @@ def interpreter(release: str) -> tuple[str, dict]:
 
 
 def shimmed(env: dict) -> dict:
-    return {**env, "DS_TENSORSHARD_UNTESTED_DEEPSPEED": "1",
-            "PYTHONPATH": os.path.join(HERE, "compat_site") + os.pathsep + env.get("PYTHONPATH", "")}
+    return {
+        **env,
+        "DS_TENSORSHARD_UNTESTED_DEEPSPEED": "1",
+        "PYTHONPATH": os.path.join(HERE, "compat_site") + os.pathsep + env.get("PYTHONPATH", ""),
+    }
 
 
 def ranks(python: str, env: dict, args: list[str], world: int) -> None:
     """Run ``python ARGS`` as ``world`` ranks; every rank must exit 0."""
     port = free_port()
-    procs = [subprocess.Popen([python, *args], env=rank_env(r, world, port, env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [python, *args],
+            env=rank_env(r, world, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     try:
         outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     finally:
@@ -70,34 +83,51 @@ def record(release: str, **facts) -> None:
 def test_import_check(release):
     python, env = interpreter(release)
     env.pop("DS_TENSORSHARD_UNTESTED_DEEPSPEED", None)
-    proc = subprocess.run([python, "-c", "import ds_tensorshard"], env={**env, "DS_ACCELERATOR": "cpu"},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [python, "-c", "import ds_tensorshard"],
+        env={**env, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if release == "0.19.8":
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         assert proc.returncode != 0
         assert f"supports deepspeed >=0.19.8,<0.20 but deepspeed {release} is installed" in proc.stderr, proc.stderr
-    bare = subprocess.run([python, "-c", "import ds_tensorshard"], capture_output=True, text=True, timeout=300,
-                          env={**env, "DS_ACCELERATOR": "cpu", "DS_TENSORSHARD_UNTESTED_DEEPSPEED": "1"})
+    bare = subprocess.run(
+        [python, "-c", "import ds_tensorshard"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "DS_ACCELERATOR": "cpu", "DS_TENSORSHARD_UNTESTED_DEEPSPEED": "1"},
+    )
     error = "" if bare.returncode == 0 else bare.stderr.strip().splitlines()[-1]
     record(release, check="import without shim", ok=bare.returncode == 0, error=error)
     # the plugin's module-level imports need nothing newer than 0.16: what older releases lack shows at run time
     assert bare.returncode == 0, bare.stderr[-3000:]
 
 
-ENGINE_PROTOCOL = ("DeepSpeedEngine.zero_compute_grad_norm() (optimizer.py, at initialize) is missing through 0.19.0 "
-                   "(in 0.19.7); through 0.19.0 the engine assigns a bool to optimizer.is_gradient_accumulation_boundary "
-                   "where 0.19.8 calls ZeROOptimizer.set_gradient_accumulation_boundary() and the plugin calls "
-                   "is_gradient_accumulation_boundary()")
+ENGINE_PROTOCOL = (
+    "DeepSpeedEngine.zero_compute_grad_norm() (optimizer.py, at initialize) is missing through 0.19.0 "
+    "(in 0.19.7); through 0.19.0 the engine assigns a bool to optimizer.is_gradient_accumulation_boundary "
+    "where 0.19.8 calls ZeROOptimizer.set_gradient_accumulation_boundary() and the plugin calls "
+    "is_gradient_accumulation_boundary()"
+)
 KNOWN_FAILURES = {  # measured with torch 2.13.0 (README "DeepSpeed versions"); strict: a fix shows as XPASS
     **{r: ENGINE_PROTOCOL for r in ("0.16.0", "0.16.9", "0.17.0", "0.17.6", "0.18.0", "0.19.0")},
     "0.18.9": "stock ZeRO-1/2 of 0.18.9 fails with torch 2.13 (runtime/utils.py all_gather_into_tensor_dp_groups "
-              "writes into a view of torch.split: 'Output 0 of Split is a view and is being modified inplace')",
+    "writes into a view of torch.split: 'Output 0 of Split is a view and is being modified inplace')",
 }
 
 
-@pytest.mark.parametrize("release", [pytest.param(r, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[r], strict=True))
-                                     if r in KNOWN_FAILURES else r for r in RELEASES])
+@pytest.mark.parametrize(
+    "release",
+    [
+        pytest.param(r, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[r], strict=True)) if r in KNOWN_FAILURES else r
+        for r in RELEASES
+    ],
+)
 def test_equivalence_and_checkpoints_with_the_compat_shim(release, tmp_path):
     python, env = interpreter(release)
     env = shimmed(env)
@@ -131,6 +161,11 @@ def test_equivalence_and_checkpoints_with_the_compat_shim(release, tmp_path):
         for step, loss in ours["losses"].items():
             assert abs(loss - ref["losses"][step]) <= FP32["loss"], (release, name, step)
         for key, value in ref["params"].items():
-            torch.testing.assert_close(ours["params"][key], value, rtol=0, atol=FP32["param"],
-                                       msg=lambda m, name=name, key=key: f"deepspeed {release} {name} {key}: {m}")
+            torch.testing.assert_close(
+                ours["params"][key],
+                value,
+                rtol=0,
+                atol=FP32["param"],
+                msg=lambda m, name=name, key=key: f"deepspeed {release} {name} {key}: {m}",
+            )
     record(release, check="equivalence and checkpoints, shimmed", ok=True, largest_loss_difference=worst)

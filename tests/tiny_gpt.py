@@ -1,4 +1,5 @@
 """A small GPT-style model for the equivalence tests: tied embeddings, a frozen and an unused parameter."""
+
 from __future__ import annotations
 
 import math

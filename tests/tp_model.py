@@ -4,6 +4,7 @@ Ranks form a grid ``rank = dp_rank * tp_size + tp_rank``. The model has column-p
 row-parallel linears (their shards marked ``tensor_model_parallel``, as Megatron marks them) and
 replicated embeddings, norms and head; it computes exactly what the unsharded model computes.
 """
+
 from __future__ import annotations
 
 import math

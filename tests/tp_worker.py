@@ -5,6 +5,7 @@ CASE = DTYPE:MODE:STAGE (MODE stock, ts, tsmpi). The global batch is 8 sequences
 data-parallel size (the same 8 make up step s), so runs at different data-parallel sizes agree.
 Writes OUT/CASE.rankR.pt: losses per step, grad norms, final parameters (this rank's shards).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,12 @@ def run_case(case: str, mpu: ToyMpu, args: argparse.Namespace) -> None:
     model = TPGPT(mpu, vocab=VOCAB, seq=SEQ)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, mpu=mpu, config=config,
-                                                   model_parameters=[{"params": decay},
-                                                                     {"params": other, "weight_decay": 0.0}])
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        mpu=mpu,
+        config=config,
+        model_parameters=[{"params": decay}, {"params": other, "weight_decay": 0.0}],
+    )
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
         assert path is not None, f"nothing loaded from {args.load}"
@@ -58,9 +62,15 @@ def run_case(case: str, mpu: ToyMpu, args: argparse.Namespace) -> None:
         norms[step] = float(engine.get_global_grad_norm() or 0.0)
         if args.save and engine.global_steps == args.save_at:
             engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}")
-    torch.save({"losses": losses, "norms": norms, "optimizer_class": type(optimizer).__name__,
-                "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-               os.path.join(args.out, f"{case.replace(':', '_')}.rank{torch.distributed.get_rank()}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "norms": norms,
+            "optimizer_class": type(optimizer).__name__,
+            "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        },
+        os.path.join(args.out, f"{case.replace(':', '_')}.rank{torch.distributed.get_rank()}.pt"),
+    )
 
 
 def main() -> None:

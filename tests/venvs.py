@@ -9,6 +9,7 @@ is shared by every venv of a Python version, where they would rebuild each other
 ``python tests/venvs.py NAME...`` makes some of :data:`SPECS` from the command line (as the scripts in
 ``launch/`` do, ahead of the tests); ``--build`` then also JIT-builds FusedAdam in each.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -20,8 +21,15 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_SPEC = "torch==2.13.0"
 # pip's words when the package registry cannot be reached (then the tests skip rather than fail)
-UNREACHABLE = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-               "Max retries exceeded", "ProxyError", "Could not fetch URL", "ConnectTimeoutError")
+UNREACHABLE = (
+    "NewConnectionError",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "Max retries exceeded",
+    "ProxyError",
+    "Could not fetch URL",
+    "ConnectTimeoutError",
+)
 
 
 class RegistryUnreachable(RuntimeError):
@@ -96,15 +104,17 @@ def ensure(spec: VenvSpec) -> VenvSpec:
 def venv_env(spec: VenvSpec, base: dict) -> dict:
     """``base`` with the venv's executables first on PATH and its own torch extension cache."""
     env = {k: v for k, v in base.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(PATH=spec.bin + os.pathsep + env.get("PATH", ""), VIRTUAL_ENV=spec.path,
-               TORCH_EXTENSIONS_DIR=spec.extensions_dir)
+    env.update(
+        PATH=spec.bin + os.pathsep + env.get("PATH", ""),
+        VIRTUAL_ENV=spec.path,
+        TORCH_EXTENSIONS_DIR=spec.extensions_dir,
+    )
     return env
 
 
 def build_fused_adam(spec: VenvSpec) -> None:
     """JIT-build FusedAdam once in the venv (about a minute on 2 cores), before timed rank processes need it."""
-    code = ("import torch; from deepspeed.ops.adam import FusedAdam; "
-            "FusedAdam([torch.nn.Parameter(torch.zeros(1))])")
+    code = "import torch; from deepspeed.ops.adam import FusedAdam; FusedAdam([torch.nn.Parameter(torch.zeros(1))])"
     env = venv_env(spec, {**os.environ, "DS_ACCELERATOR": "cpu"})
     proc = subprocess.run([spec.python, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:

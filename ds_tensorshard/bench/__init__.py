@@ -4,6 +4,7 @@
 under ``mpiexec``. The worker wraps torch and DeepSpeed internals to time and count them, so it stays out
 of the data path's modules.
 """
+
 from .runner import add_arguments, run
 
 __all__ = ["add_arguments", "run"]

@@ -7,6 +7,7 @@ Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a
 processes, so peak RSS is its own); this module launches them one after another, then writes
 ``results.json``, ``results.md`` (table + ratio matrix) and ``results.png`` into ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,23 @@ from typing import Any
 
 from .worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 
-LABELS = {"stage0": "stock stage 0", "zero1": "stock ZeRO-1", "zero2": "stock ZeRO-2",
-          "ddp_zero": "DDP + ZeroRedundancyOptimizer", "ts_torch": "ds_tensorshard (torch)",
-          "ts_mpi": "ds_tensorshard (mpi)",
-          "two_zero2": "2 models: stock ZeRO-2 each", "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
-          "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many"}
+LABELS = {
+    "stage0": "stock stage 0",
+    "zero1": "stock ZeRO-1",
+    "zero2": "stock ZeRO-2",
+    "ddp_zero": "DDP + ZeroRedundancyOptimizer",
+    "ts_torch": "ds_tensorshard (torch)",
+    "ts_mpi": "ds_tensorshard (mpi)",
+    "two_zero2": "2 models: stock ZeRO-2 each",
+    "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
+    "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many",
+}
 PHASES = ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -45,13 +53,24 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
         raise SystemExit("ds-tensorshard bench launches its ranks with mpiexec: pip install 'ds_tensorshard[mpi]'")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "ds_tensorshard.bench.worker", config, raw_dir,
-           "--port", str(_free_port())]
+    cmd = [
+        mpiexec,
+        "-n",
+        str(args.ranks),
+        sys.executable,
+        "-m",
+        "ds_tensorshard.bench.worker",
+        config,
+        raw_dir,
+        "--port",
+        str(_free_port()),
+    ]
     for name in RUN_ARGUMENTS:
         if getattr(args, name) is not None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its ranks die with it: see _kill_group
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its ranks die with it: see _kill_group
     try:
         out, err = proc.communicate(timeout=args.timeout)
     finally:
@@ -83,52 +102,91 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
     steps = list(zip(*(r["steps"] for r in ranks)))
     median = lambda key: statistics.median(max(rank_row[key] for rank_row in step) for step in steps)  # noqa: E731
     state = [r["optimizer_state_bytes"] for r in ranks]
-    return {"config": config, "label": LABELS[config], "world_size": ranks[0]["world_size"],
-            "numel": ranks[0]["numel"], "step_s": median("step_s"), **{k: median(k) for k in PHASES},
-            "sent_bytes_per_rank": median("sent_bytes"),
-            "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
-            "optimizer_state_bytes_fullest": max(state), "optimizer_state_bytes_total": sum(state),
-            "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
-            **({"newton_schulz_fullest_over_ideal": max(r["newton_schulz_work"] for r in ranks) * len(ranks)
-                / ranks[0]["newton_schulz_total"]} if ranks[0].get("newton_schulz_total") else {}),
-            "losses": ranks[0]["steps"][-1]["losses"]}
+    return {
+        "config": config,
+        "label": LABELS[config],
+        "world_size": ranks[0]["world_size"],
+        "numel": ranks[0]["numel"],
+        "step_s": median("step_s"),
+        **{k: median(k) for k in PHASES},
+        "sent_bytes_per_rank": median("sent_bytes"),
+        "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+        "optimizer_state_bytes_fullest": max(state),
+        "optimizer_state_bytes_total": sum(state),
+        "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
+        **(
+            {
+                "newton_schulz_fullest_over_ideal": max(r["newton_schulz_work"] for r in ranks)
+                * len(ranks)
+                / ranks[0]["newton_schulz_total"]
+            }
+            if ranks[0].get("newton_schulz_total")
+            else {}
+        ),
+        "losses": ranks[0]["steps"][-1]["losses"],
+    }
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     if args.configs[0] in TWO_MODEL_CONFIGS:
         second = second_model_shape(args.width, args.layers)
-        models = (f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
-                  f"{args.width} and {second['layers']} layers x width {second['width']}, together")
+        models = (
+            f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
+            f"{args.width} and {second['layers']} layers x width {second['width']}, together"
+        )
     else:
-        models = f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
-    lines = [f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; "
-             f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
-             f"median of {args.steps} steps after {args.warmup} warm-up. "
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.", "",
-             "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
-             "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |", "|---" * 10 + "|"]
+        models = (
+            f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
+        )
+    lines = [
+        f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; "
+        f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up. "
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
+        "",
+        "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
+        "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |",
+        "|---" * 10 + "|",
+    ]
     for r in results:
-        lines.append(f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
-                     f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
-                     f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
-                     f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |")
+        lines.append(
+            f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
+            f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
+            f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
+            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |"
+        )
     if any("newton_schulz_fullest_over_ideal" in r for r in results):
-        lines += ["", "Newton-Schulz work (m n min(m, n) per matrix orthogonalized) on the fullest rank over an even "
-                  "share: " + "; ".join(f"{r['label']} {r['newton_schulz_fullest_over_ideal']:.3f}"
-                                        for r in results if "newton_schulz_fullest_over_ideal" in r)]
-    lines += ["", "Step-time ratio (row / column):", "",
-              "| | " + " | ".join(r["label"] for r in results) + " |", "|---" * (len(results) + 1) + "|"]
+        lines += [
+            "",
+            "Newton-Schulz work (m n min(m, n) per matrix orthogonalized) on the fullest rank over an even "
+            "share: "
+            + "; ".join(
+                f"{r['label']} {r['newton_schulz_fullest_over_ideal']:.3f}"
+                for r in results
+                if "newton_schulz_fullest_over_ideal" in r
+            ),
+        ]
+    lines += [
+        "",
+        "Step-time ratio (row / column):",
+        "",
+        "| | " + " | ".join(r["label"] for r in results) + " |",
+        "|---" * (len(results) + 1) + "|",
+    ]
     for row in results:
-        lines.append(f"| {row['label']} | " + " | ".join(f"{row['step_s'] / col['step_s']:.2f}" for col in results)
-                     + " |")
+        lines.append(
+            f"| {row['label']} | " + " | ".join(f"{row['step_s'] / col['step_s']:.2f}" for col in results) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     breaks = {" (": "\n(", ": ": ":\n", ", ": ",\n", " + ZeroRedundancyOptimizer": "\n+ ZeroRedundancy-\nOptimizer"}
     labels = [functools.reduce(lambda text, pair: text.replace(*pair), breaks.items(), r["label"]) for r in results]
@@ -149,9 +207,14 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + TWO_MODEL_CONFIGS,
-                        help="one-model configurations (default: all) or two-model ones "
-                             f"({', '.join(TWO_MODEL_CONFIGS)}), not both in one run")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=CONFIGS + TWO_MODEL_CONFIGS,
+        help="one-model configurations (default: all) or two-model ones "
+        f"({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
+    )
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
@@ -163,15 +226,20 @@ def run(args: argparse.Namespace) -> list[dict]:
         if args.configs == list(CONFIGS):  # the default set: DDP + ZeroRedundancyOptimizer runs AdamW only
             args.configs = [c for c in CONFIGS if c != "ddp_zero"]
         else:
-            raise SystemExit(f"--optimizer {args.optimizer} runs the one-model DeepSpeed configurations only "
-                             "(not ddp_zero or the two-model ones)")
+            raise SystemExit(
+                f"--optimizer {args.optimizer} runs the one-model DeepSpeed configurations only "
+                "(not ddp_zero or the two-model ones)"
+            )
     if len({c in TWO_MODEL_CONFIGS for c in args.configs}) > 1:
-        raise SystemExit("--configs: one-model and two-model configurations are compared in separate runs "
-                         f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})")
+        raise SystemExit(
+            "--configs: one-model and two-model configurations are compared in separate runs "
+            f"(two-model: {', '.join(TWO_MODEL_CONFIGS)})"
+        )
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from ..progress import bar as progress_bar
+
     results = []
     with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
         for config in args.configs:

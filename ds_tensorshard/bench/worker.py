@@ -8,6 +8,7 @@ rank sent through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce
 all-gather (n-1)/n of the full buffer; a reduce is sent once by every rank but its root, a
 broadcast once by every rank but the one before its root, the last of the ring).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,20 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 SHARDED = ("ts_torch", "ts_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's configurations
 _SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
-_FACTORS = {"all_reduce": lambda n, root, me: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n, root, me: (n - 1) / n,
-            "all_gather_into_tensor": lambda n, root, me: (n - 1) / n,
-            "broadcast": lambda n, root, me: float(me != (root - 1) % n), "reduce": lambda n, root, me: float(me != root)}
-_FULL_BUFFER = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
-                "reduce_scatter_tensor": "input", "all_gather_into_tensor": "output_tensor"}
+_FACTORS = {
+    "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
+    "reduce_scatter_tensor": lambda n, root, me: (n - 1) / n,
+    "all_gather_into_tensor": lambda n, root, me: (n - 1) / n,
+    "broadcast": lambda n, root, me: float(me != (root - 1) % n),
+    "reduce": lambda n, root, me: float(me != root),
+}
+_FULL_BUFFER = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "reduce_scatter_tensor": "input",
+    "all_gather_into_tensor": "output_tensor",
+}
 _ROOT = {"broadcast": "src", "reduce": "dst"}
 
 
@@ -49,16 +59,21 @@ def _count_torch_collectives() -> None:
             group = bound.get("group")
             n = tdist.get_world_size(group) if tdist.is_initialized() else 1
             me = tdist.get_rank(group) if tdist.is_initialized() else 0
-            root = tdist.get_group_rank(group, bound[_ROOT[_name]]) if _name in _ROOT and group is not None \
+            root = (
+                tdist.get_group_rank(group, bound[_ROOT[_name]])
+                if _name in _ROOT and group is not None
                 else bound.get(_ROOT.get(_name, ""), 0)
+            )
             tensor = bound[_FULL_BUFFER[_name]]
             _SENT[_name] += _factor(n, root, me) * tensor.numel() * tensor.element_size()
             return _original(*args, **kwargs)
+
         setattr(tdist, name, counted)
 
 
 def _count_mpi_collectives() -> None:
     from .. import mpi_comm
+
     for name, kind in (("start_reduce", "reduce"), ("start_broadcast", "broadcast"), ("all_reduce_sum", "all_reduce")):
         original = getattr(mpi_comm.MpiComm, name)
 
@@ -67,6 +82,7 @@ def _count_mpi_collectives() -> None:
             factor = _FACTORS[_kind](self.world_size, args[0] if args else 0, self.rank)
             _SENT["mpi_" + _kind] += factor * tensor.numel() * tensor.element_size()
             return _original(self, tensor, *args)
+
         setattr(mpi_comm.MpiComm, name, counted)
 
 
@@ -86,14 +102,20 @@ class Clock:
                 return original(*args, **kwargs)
             finally:
                 self.spent[phase] += time.perf_counter() - start
+
         setattr(owner, name, timed)
 
 
 def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: str = "adamw") -> dict:
     stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
-    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-              "optimizer": OPTIMIZERS[optimizer], "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": OPTIMIZERS[optimizer],
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     if bucket is not None:  # else every configuration keeps its own defaults
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
@@ -118,8 +140,18 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
 
-RUN_ARGUMENTS = ("layers", "width", "vocab", "seq", "global_batch", "dtype", "steps", "warmup", "bucket_numel",
-                 "optimizer")
+RUN_ARGUMENTS = (
+    "layers",
+    "width",
+    "vocab",
+    "seq",
+    "global_batch",
+    "dtype",
+    "steps",
+    "warmup",
+    "bucket_numel",
+    "optimizer",
+)
 OPTIMIZERS = {  # --optimizer -> the config's optimizer block
     "adamw": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
     "muon": {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.01}},
@@ -137,10 +169,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bucket-numel", type=int,
-                        help="bucket size for every configuration (default: each keeps its own)")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
-                        help="inner optimizer of every DeepSpeed configuration (muon: the blocks' matrices)")
+    parser.add_argument(
+        "--bucket-numel", type=int, help="bucket size for every configuration (default: each keeps its own)"
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adamw",
+        help="inner optimizer of every DeepSpeed configuration (muon: the blocks' matrices)",
+    )
 
 
 def second_model_shape(width: int, layers: int) -> dict:
@@ -163,36 +200,47 @@ class Setup:
 def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
+
     ddp = DistributedDataParallel(model)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
-                                        weight_decay=0.01)
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01
+    )
     clock.wrap(optimizer, "_sync_params", "gather")
 
     def train(tokens: torch.Tensor) -> list[float]:
         loss = ddp(tokens)
         loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
-        _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size()
-                                                                 for p in model.parameters())
+        _SENT["ddp_all_reduce"] += (
+            2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
+        )
         return [loss.item()]
 
     def step() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return Setup([model], train, step, lambda: state_bytes("ddp_zero", optimizer, model))
 
 
-def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: argparse.Namespace,
-                    clock: Clock) -> Setup:
+def build_deepspeed(
+    name: str, models: list[torch.nn.Module], micro: int, args: argparse.Namespace, clock: Clock
+) -> Setup:
     import deepspeed
 
     import ds_tensorshard
+
     if args.optimizer == "muon":  # Muon on the blocks' matrices, its auxiliary Adam on the rest
         for model in models:
             for pname, p in model.named_parameters():
                 p.use_muon = p.dim() >= 2 and pname.startswith("blocks.")
-    items = [dict(model=m, model_parameters=m.parameters(), config=ds_config(name, micro, args.dtype,
-                                                                               args.bucket_numel, args.optimizer))
-             for m in models]
+    items = [
+        dict(
+            model=m,
+            model_parameters=m.parameters(),
+            config=ds_config(name, micro, args.dtype, args.bucket_numel, args.optimizer),
+        )
+        for m in models
+    ]
     if name == "two_ts_joint":
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     else:
@@ -216,6 +264,7 @@ def build_deepspeed(name: str, models: list[torch.nn.Module], micro: int, args: 
         else:
             for engine in engines:
                 engine.step()
+
     setup = Setup(models, train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
     setup.newton_schulz = lambda: newton_schulz_on_this_rank(name, engines[0])
     return setup
@@ -227,6 +276,7 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
     Muon param group flattened and split evenly); stage 0 orthogonalizes everything on every rank."""
     import ds_tensorshard
     from ds_tensorshard.inner_optimizer import newton_schulz_work
+
     optimizer = engine.optimizer
     if isinstance(optimizer, ds_tensorshard.TensorShardOptimizer):
         work = optimizer.plan.work_per_rank
@@ -265,6 +315,7 @@ def main() -> None:
     from ds_tensorshard import gather
     from ds_tensorshard.comm import close_process_group
     from ds_tensorshard.models import GPT, synthetic_batch
+
     _count_mpi_collectives()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
     world, rank = tdist.get_world_size(), tdist.get_rank()
@@ -297,13 +348,26 @@ def main() -> None:
         end = time.perf_counter()
         if index >= args.warmup:
             reduce, gather_s = clock.spent["reduce"], clock.spent["gather"]
-            rows.append({"step_s": end - start, "fwd_bwd_s": after_backward - start - reduce, "reduce_s": reduce,
-                         "optimizer_s": end - after_backward - gather_s, "gather_s": gather_s,
-                         "sent_bytes": sum(_SENT.values()) - sent_before, "losses": losses})
-    result = {"config": args.config, "rank": rank, "world_size": world, "steps": rows,
-              "numel": sum(p.numel() for m in setup.models for p in m.parameters()),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "optimizer_state_bytes": setup.state_bytes()}
+            rows.append(
+                {
+                    "step_s": end - start,
+                    "fwd_bwd_s": after_backward - start - reduce,
+                    "reduce_s": reduce,
+                    "optimizer_s": end - after_backward - gather_s,
+                    "gather_s": gather_s,
+                    "sent_bytes": sum(_SENT.values()) - sent_before,
+                    "losses": losses,
+                }
+            )
+    result = {
+        "config": args.config,
+        "rank": rank,
+        "world_size": world,
+        "steps": rows,
+        "numel": sum(p.numel() for m in setup.models for p in m.parameters()),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "optimizer_state_bytes": setup.state_bytes(),
+    }
     if args.optimizer == "muon":
         result["newton_schulz_work"], result["newton_schulz_total"] = setup.newton_schulz()
     with open(os.path.join(args.out, f"{args.config}.rank{rank}.json"), "w") as f:

@@ -10,6 +10,7 @@ in every step at any world size (sequential batches, global batch fixed by ``--g
 ``--resume DIR`` loads ``accelerator.save_state`` output and continues; ``--results FILE`` makes rank 0 save
 per-step losses and the final parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,17 @@ VOCAB, SEQ, SAMPLES = 128, 16, 96
 
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -43,6 +52,7 @@ def main() -> None:
 
     from accelerate import Accelerator
     from accelerate.utils import DummyOptim, DummyScheduler
+
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
     model = tiny_llama()
     tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(7))
@@ -80,11 +90,17 @@ def main() -> None:
     if accelerator.is_main_process:
         print(f"optimizer {type(model.optimizer).__name__}; losses {losses}")
         if args.results:
-            torch.save({"losses": losses, "optimizer_class": type(model.optimizer).__name__,
-                        "params": {n: p.detach().float().clone() for n, p in model.module.named_parameters()}},
-                       args.results)
+            torch.save(
+                {
+                    "losses": losses,
+                    "optimizer_class": type(model.optimizer).__name__,
+                    "params": {n: p.detach().float().clone() for n, p in model.module.named_parameters()},
+                },
+                args.results,
+            )
     accelerator.wait_for_everyone()
     from ds_tensorshard.comm import close_process_group
+
     close_process_group()
 
 

@@ -7,6 +7,7 @@ far each rank's peak RSS rose above that baseline::
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.checkpoint_memory --phase save --dir /tmp/ck
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.checkpoint_memory --phase load --dir /tmp/ck
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,13 @@ def main() -> None:
         parser.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2},
-              "tensorshard": {"enabled": True, "bucket_numel": 20_000_000}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True, "bucket_numel": 20_000_000},
+    }
     torch.manual_seed(0)
     overrides = {k: getattr(args, k) for k in ("layers", "width", "vocab") if getattr(args, k) is not None}
     model = build(args.preset, **overrides)
@@ -58,9 +63,15 @@ def main() -> None:
     rank = dist.get_rank()
     owned = optimizer.plan.numel_per_rank[rank]
     largest = max(p.numel() for p in optimizer.params)
-    row = {"phase": args.phase, "rank": rank, "peak_training_mib": round(baseline, 1),
-           "peak_after_mib": round(peak, 1), "rise_mib": round(peak - baseline, 1),
-           "own_state_mib": round(owned * 12 / 2**20, 1), "largest_tensor_state_mib": round(largest * 12 / 2**20, 1)}
+    row = {
+        "phase": args.phase,
+        "rank": rank,
+        "peak_training_mib": round(baseline, 1),
+        "peak_after_mib": round(peak, 1),
+        "rise_mib": round(peak - baseline, 1),
+        "own_state_mib": round(owned * 12 / 2**20, 1),
+        "largest_tensor_state_mib": round(largest * 12 / 2**20, 1),
+    }
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:

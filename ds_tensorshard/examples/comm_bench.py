@@ -6,6 +6,7 @@ N elements split into one equal segment per rank are reduced, each onto its owne
 back from every owner, as the data path moves a bucket; rank 0 prints one JSON line per (backend,
 size) with the median of ``--repeats`` timings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ def time_once(comm: Transport, flat: torch.Tensor, counts: list[int]) -> float:
     dist.barrier()
     start = time.perf_counter()
     offsets = [sum(counts[:r]) for r in range(len(counts))]
-    segments = [flat[o:o + c] for o, c in zip(offsets, counts)]
+    segments = [flat[o : o + c] for o, c in zip(offsets, counts)]
     for pending in [comm.start_reduce(seg, owner) for owner, seg in enumerate(segments)]:
         pending.wait()
     for pending in [comm.start_broadcast(seg, owner) for owner, seg in enumerate(segments)]:
@@ -52,8 +53,13 @@ def main() -> None:
             flat = torch.ones(numel)
             times = [time_once(comm, flat, counts) for _ in range(args.repeats)]
             if dist.get_rank() == 0:
-                print("COMM " + json.dumps({"backend": name, "ranks": n, "numel": numel,
-                                            "median_s": round(statistics.median(times), 4)}), flush=True)
+                print(
+                    "COMM "
+                    + json.dumps(
+                        {"backend": name, "ranks": n, "numel": numel, "median_s": round(statistics.median(times), 4)}
+                    ),
+                    flush=True,
+                )
             del flat
     del transports
     close_process_group()

@@ -9,6 +9,7 @@ tokens, sequential batches so that a step sees the same samples at any world siz
 ``--stock`` drops the tensorshard block (stock ZeRO-2); ``--results FILE`` makes rank 0 save the logged
 losses and the final parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,17 @@ VOCAB, SEQ, SAMPLES = 128, 16, 96
 
 def ds_config(stock: bool) -> dict:
     """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block, the tensorshard block."""
-    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                        "weight_decay": "auto"}},
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000},
+    }
     if not stock:
         config["tensorshard"] = {"enabled": True}
     return config
@@ -47,9 +54,18 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -67,12 +83,26 @@ def main() -> None:
     args = parser.parse_args()
 
     from transformers import Trainer, TrainingArguments
+
     training = TrainingArguments(
-        output_dir=args.out, deepspeed=ds_config(args.stock), max_steps=args.steps, save_steps=args.save_steps,
-        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
-        learning_rate=1e-2, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=2, logging_steps=1,
-        train_sampling_strategy="sequential", save_only_model=False, report_to="none", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=args.out,
+        deepspeed=ds_config(args.stock),
+        max_steps=args.steps,
+        save_steps=args.save_steps,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        warmup_steps=2,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        save_only_model=False,
+        report_to="none",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=tiny_gpt2(), args=training, train_dataset=RandomTokens())
     trainer.train(resume_from_checkpoint=args.resume)
     engine = trainer.model_wrapped
@@ -80,10 +110,16 @@ def main() -> None:
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
         print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")
         if args.results:
-            torch.save({"losses": losses, "optimizer_class": type(engine.optimizer).__name__,
-                        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-                       args.results)
+            torch.save(
+                {
+                    "losses": losses,
+                    "optimizer_class": type(engine.optimizer).__name__,
+                    "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+                },
+                args.results,
+            )
     from ds_tensorshard.comm import close_process_group
+
     close_process_group()
 
 

@@ -7,6 +7,7 @@ rank 0's data path (every gradient hook, packing, one reduce and one broadcast p
 bucket, delivering its own pieces, writing back the gathered ones) with a transport that returns
 at once. Prints one JSON line per world size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ def shapes(count: int, seed: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     out = []
     for i in range(count):
         kind = rnd.random()
-        shape = (rnd.choice([1024, 2048, 4096]), rnd.choice([1024, 4096])) if kind < 0.5 else \
-            (rnd.choice([1024, 4096]),) if kind < 0.98 else (rnd.choice([32000, 50257]), 1024)
+        shape = (
+            (rnd.choice([1024, 2048, 4096]), rnd.choice([1024, 4096]))
+            if kind < 0.5
+            else (rnd.choice([1024, 4096]),)
+            if kind < 0.98
+            else (rnd.choice([32000, 50257]), 1024)
+        )
         out.append((f"t{i:05d}", shape))
     return out
 
@@ -59,8 +65,9 @@ def measure(tensors: list[tuple[str, tuple[int, ...]]], world_size: int, bucket_
     buckets = build_buckets(list(reversed(params)), plan.blocks_of, bucket_numel)
     build_s = time.perf_counter() - started
     comm = InstantComm(world_size)
-    reducer = OverlappedReducer(buckets, comm, Averaging(), lambda bucket, segment: None, params,
-                                lambda p: names[id(p)], lambda order: buckets)
+    reducer = OverlappedReducer(
+        buckets, comm, Averaging(), lambda bucket, segment: None, params, lambda p: names[id(p)], lambda order: buckets
+    )
     reducer.observed = None  # the order is already backward's
     times = []
     for _ in range(steps):
@@ -72,8 +79,14 @@ def measure(tensors: list[tuple[str, tuple[int, ...]]], world_size: int, bucket_
         reducer.finish()
         Gather(buckets, comm).finish()
         times.append(time.perf_counter() - started)
-    return {"world_size": world_size, "tensors": len(tensors), "split": len(plan.split), "buckets": len(buckets),
-            "plan_and_buckets_s": round(build_s, 4), "host_step_s": round(min(times), 4)}
+    return {
+        "world_size": world_size,
+        "tensors": len(tensors),
+        "split": len(plan.split),
+        "buckets": len(buckets),
+        "plan_and_buckets_s": round(build_s, 4),
+        "host_step_s": round(min(times), 4),
+    }
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ is ``--save-at`` steps; Lightning's ModelCheckpoint saves at each epoch's end (`
 Lightning's DeepSpeedStrategy runs on CUDA GPUs (``--accelerator gpu``); on CPUs it refuses with "only
 supported on CUDA GPUs" (the tests lift that one check, see tests/cpu_site).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,18 @@ def build_module(lr: float = 1e-2):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
-                                                    n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+            self.model = GPT2LMHeadModel(
+                GPT2Config(
+                    vocab_size=VOCAB,
+                    n_positions=SEQ,
+                    n_embd=32,
+                    n_layer=2,
+                    n_head=2,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            )
             self.losses: dict[int, list[float]] = {}
 
         def training_step(self, batch, batch_idx):
@@ -74,20 +85,36 @@ def main() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DeepSpeedStrategy
-    saver = ModelCheckpoint(dirpath=args.out, filename="step{step}", auto_insert_metric_name=False, save_top_k=-1,
-                            every_n_epochs=1, save_on_train_epoch_end=True)
+
+    saver = ModelCheckpoint(
+        dirpath=args.out,
+        filename="step{step}",
+        auto_insert_metric_name=False,
+        save_top_k=-1,
+        every_n_epochs=1,
+        save_on_train_epoch_end=True,
+    )
     module = build_module()
     global_batch = args.micro_batch * args.grad_accum * args.devices
     tokens = torch.randint(0, VOCAB, (args.save_at * global_batch, SEQ), generator=torch.Generator().manual_seed(7))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=args.micro_batch)
-    # DeepSpeedStrategy wants device indices 0..n-1 (CUDA's); CPU devices have none unless given (torch maps cpu:N to cpu)
+    # DeepSpeedStrategy wants device indices 0..n-1 (CUDA's); CPU devices have none unless given
+    # (torch maps cpu:N to cpu)
     cpus = [torch.device("cpu", i) for i in range(args.devices)] if args.accelerator == "cpu" else None
     strategy = DeepSpeedStrategy(config=ds_config(args.stock), parallel_devices=cpus)
-    trainer = pl.Trainer(strategy=strategy, accelerator=args.accelerator,
-                         devices=args.devices, max_steps=args.steps, accumulate_grad_batches=args.grad_accum,
-                         gradient_clip_val=1.0, use_distributed_sampler=True, callbacks=[saver],
-                         enable_progress_bar=False, logger=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.grad_accum,
+        gradient_clip_val=1.0,
+        use_distributed_sampler=True,
+        callbacks=[saver],
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader, ckpt_path=args.resume)
     engine = trainer.strategy.deepspeed_engine
     per_step = {step: torch.stack(values).mean() for step, values in module.losses.items()}
@@ -95,10 +122,16 @@ def main() -> None:
     if trainer.is_global_zero:
         print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")
         if args.results:
-            torch.save({"losses": losses, "optimizer_class": type(engine.optimizer).__name__,
-                        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-                       args.results)
+            torch.save(
+                {
+                    "losses": losses,
+                    "optimizer_class": type(engine.optimizer).__name__,
+                    "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+                },
+                args.results,
+            )
     from ds_tensorshard.comm import close_process_group
+
     close_process_group()
 
 

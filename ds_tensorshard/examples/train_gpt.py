@@ -4,6 +4,7 @@ Run with the deepspeed launcher (see launch/demo.sh)::
 
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.train_gpt --deepspeed_config configs/tensorshard_fp32.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,7 +88,9 @@ def main() -> None:
         print("optimizer state per rank beyond the model (fp32 masters + Adam moments):")
         for r, (ts, st) in enumerate(zip(ts_all, stock_all)):
             print(f"  rank {r}: ds_tensorshard {ts / 2**20:8.3f} MiB   stock ZeRO-2 {st / 2**20:8.3f} MiB")
-        print(f"  total : ds_tensorshard {sum(ts_all) / 2**20:8.3f} MiB   stock ZeRO-2 {sum(stock_all) / 2**20:8.3f} MiB")
+        print(
+            f"  total : ds_tensorshard {sum(ts_all) / 2**20:8.3f} MiB   stock ZeRO-2 {sum(stock_all) / 2**20:8.3f} MiB"
+        )
     close_process_group()
 
 

@@ -5,6 +5,7 @@
 Prints the joint plan next to what planning each model on its own would put on every rank, then
 times ``step_many`` (one joint step) against stepping the engines one after the other.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,22 @@ from ds_tensorshard.comm import close_process_group
 from ds_tensorshard.models import build, synthetic_batch
 from ds_tensorshard.plan import plan_ownership
 
-SHAPES = {"large": dict(width=256, layers=6, vocab=512, seq=64, heads=4),
-          "small": dict(width=96, layers=3, vocab=512, seq=64, heads=4)}
+SHAPES = {
+    "large": dict(width=256, layers=6, vocab=512, seq=64, heads=4),
+    "small": dict(width=96, layers=3, vocab=512, seq=64, heads=4),
+}
 
 
 def config() -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2},
-            "tensorshard": {"enabled": True}, "steps_per_print": 10**9}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
 
 
 def per_model_loads(models: dict, world: int) -> list[int]:
@@ -48,16 +57,21 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     models = {name: build("demo", **shape) for name, shape in SHAPES.items()}
-    results = ds_tensorshard.initialize_many([dict(model=m, model_parameters=m.parameters(), config=config())
-                                               for m in models.values()])
+    results = ds_tensorshard.initialize_many(
+        [dict(model=m, model_parameters=m.parameters(), config=config()) for m in models.values()]
+    )
     engines = dict(zip(models, (r[0] for r in results)))
     joint = engines["large"].optimizer.plan
     if rank == 0:
         separate = per_model_loads(models, world)
-        print(f"joint plan, elements per rank:        {list(joint.numel_per_rank)} "
-              f"(fullest / ideal {joint.imbalance:.4f})")
-        print(f"per-model plans, summed per rank:     {separate} "
-              f"(fullest / ideal {max(separate) / (sum(separate) / world):.4f})")
+        print(
+            f"joint plan, elements per rank:        {list(joint.numel_per_rank)} "
+            f"(fullest / ideal {joint.imbalance:.4f})"
+        )
+        print(
+            f"per-model plans, summed per rank:     {separate} "
+            f"(fullest / ideal {max(separate) / (sum(separate) / world):.4f})"
+        )
     generator = torch.Generator().manual_seed(rank)
     timings = {"step_many": [], "one by one": []}
     losses: dict[str, list[float]] = {name: [] for name in engines}
@@ -82,8 +96,10 @@ def main() -> None:
         for mode, values in timings.items():
             print(f"optimizer step of both models, {mode:>10}: median {statistics.median(values) * 1000:.1f} ms")
         for name, values in losses.items():
-            print(f"{name} model ({sum(p.numel() for p in models[name].parameters()):,} parameters): "
-                  f"loss {values[0]:.4f} -> {values[-1]:.4f}")
+            print(
+                f"{name} model ({sum(p.numel() for p in models[name].parameters()):,} parameters): "
+                f"loss {values[0]:.4f} -> {values[-1]:.4f}"
+            )
     close_process_group()
 
 

@@ -11,6 +11,7 @@ version tests can see whether anything else differs. None of them is in 0.16.0-0
   any of them is invalid (older stock ZeRO takes ``vector_norm`` of the stacked norms, the same for finite
   norms, and detects fp16 overflow on the gradients instead).
 """
+
 import importlib.abc
 import importlib.util
 import math
@@ -20,11 +21,13 @@ import types
 
 def is_parallel(group) -> bool:
     import deepspeed.comm as dist
+
     return group is not None and dist.get_world_size(group) > 1
 
 
 def is_invalid_grad_norm(norm) -> bool:
     import torch
+
     if torch.is_tensor(norm):
         return bool((~torch.isfinite(norm) | (norm < 0)).any())
     return not math.isfinite(float(norm)) or norm < 0
@@ -32,6 +35,7 @@ def is_invalid_grad_norm(norm) -> bool:
 
 def combine_grad_norm_groups(norm_groups, norm_type=2):
     import torch
+
     norms = list(norm_groups)
     device = next((n.device for n in norms if torch.is_tensor(n)), None)
     stacked = torch.stack([n if torch.is_tensor(n) else torch.tensor(float(n), device=device) for n in norms])
@@ -85,6 +89,7 @@ class _Compat(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         else:
             module.is_parallel = is_parallel
             import deepspeed.comm
+
             deepspeed.comm.pg_utils = module
 
 

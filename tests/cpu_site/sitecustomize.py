@@ -10,6 +10,7 @@ nothing else, once the module that holds each is imported:
   accelerator; here it goes on to the parent's ``setup_environment`` (the real path on GPUs:
   launch/gpu_check.sh).
 """
+
 import importlib.abc
 import importlib.util
 import os
@@ -22,16 +23,23 @@ def _patch_accelerate(state) -> None:
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, kind = original(self, cpu, sagemaker_dp, backend)
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if (chosen is None and kind == state.DistributedType.NO and deepspeed and not cpu
-                and int(os.environ.get("LOCAL_RANK", -1)) != -1):
+        if (
+            chosen is None
+            and kind == state.DistributedType.NO
+            and deepspeed
+            and not cpu
+            and int(os.environ.get("LOCAL_RANK", -1)) != -1
+        ):
             return "gloo", state.DistributedType.MULTI_CPU
         return chosen, kind
+
     state.PartialState._prepare_backend = _prepare_backend
 
 
 def _patch_lightning(deepspeed_strategy) -> None:
     def setup_environment(self) -> None:
         deepspeed_strategy.DDPStrategy.setup_environment(self)  # the CUDA check skipped, the rest as is
+
     deepspeed_strategy.DeepSpeedStrategy.setup_environment = setup_environment
 
 
