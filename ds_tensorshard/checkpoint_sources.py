@@ -214,7 +214,8 @@ class TensorShardSource(CheckpointSource):
         """The whole tensor's state, assembled from its blocks where the saving plan split it."""
         shape = self.shapes[name]
         numel = math.prod(shape)
-        master, state, covered = torch.empty(numel, dtype=torch.float32), {}, 0
+        master, covered = torch.empty(numel, dtype=torch.float32), 0
+        state: dict[str, Any] = {}
         for rank in self.where[name]:
             entry = dict(self._read(self.paths[rank]).tensors[name])
             start, stop = entry.pop("block", (0, numel))
@@ -348,7 +349,10 @@ class UniversalSource(CheckpointSource):
         step_path = os.path.join(self.zero, name, "step.pt")
         if state:
             state["step"] = _as_int(files.load(step_path)) if os.path.isfile(step_path) else 0
-        return TensorState(self._part(name, "fp32"), state)
+        master = self._part(name, "fp32")
+        if master is None:
+            raise CheckpointError(f"universal checkpoint lacks {os.path.join(self.zero, name, 'fp32.pt')}")
+        return TensorState(master, state)
 
 
 def _as_int(step: Any) -> int:

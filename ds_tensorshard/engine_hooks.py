@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
@@ -22,11 +22,14 @@ from .checkpoint_hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, w
 from .config import TensorShardConfig, validate_engine_config, validate_parallel_layout
 from .inner_optimizer import check_supported
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
 _MARK = "_ds_tensorshard_original"
 _INIT_SIGNATURE = inspect.signature(DeepSpeedEngine.__init__)
 
 
-def _enabled_config(engine: Any) -> TensorShardConfig | None:
+def _enabled_config(engine: DeepSpeedEngine) -> TensorShardConfig | None:
     return getattr(engine, "_tensorshard_config", None)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 
@@ -43,9 +44,7 @@ class Gather:
         while self.in_flight:
             index, bucket, flat, pending = self.in_flight.popleft()
             for p in pending:
-                wait_or_fail(
-                    p.wait, self.comm, lambda index=index, bucket=bucket: self.describe(index, bucket, "broadcast")
-                )
+                wait_or_fail(p.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
                     for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):

@@ -25,7 +25,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
-from .plan import plan_ownership
+from .plan import SplitMode, plan_ownership
 
 
 def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
@@ -58,7 +58,7 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
     return results
 
 
-def _split_mode(item: Mapping[str, Any]) -> str:
+def _split_mode(item: Mapping[str, Any]) -> SplitMode:
     """``tensorshard.split_tensors`` of one item's config (a dict or a JSON file)."""
     config = item.get("config", item.get("config_params"))
     if isinstance(config, str):

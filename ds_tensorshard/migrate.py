@@ -47,7 +47,8 @@ def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     report.append(f"optimizer.type={opt_type!r}: kept (runs on owned tensors only)")
     for key in sorted(k for k in config if k not in ("zero_optimization", "optimizer", BLOCK)):
         report.append(f"{key}: kept")
-    existing = config.get(BLOCK) if isinstance(config.get(BLOCK), dict) else {}
+    existing = config.get(BLOCK)
+    existing = existing if isinstance(existing, dict) else {}
     config[BLOCK] = {**existing, "enabled": True, "comm_backend": existing.get("comm_backend", "torch")}
     report.append(f"{BLOCK}: added {config[BLOCK]}")
     validate_engine_config(config)

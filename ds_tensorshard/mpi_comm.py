@@ -13,7 +13,8 @@ pinned host memory otherwise (warned once). The MPI processes must be the torch.
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 from deepspeed import comm as dist
@@ -143,26 +144,26 @@ class MpiComm:
             request = self.mpi.Ireduce(MPI.IN_PLACE, self._spec(host), op=op, root=owner)
         else:
             request = self.mpi.Ireduce(self._spec(host), None, op=op, root=owner)
-        return Pending(
-            lambda: (self._wait(request, f"reduce to rank {owner}"), self._back(host, tensor, self.rank == owner))[1],
-            host,
-        )
+        return Pending(self._completion(request, f"reduce to rank {owner}", host, tensor, self.rank == owner), host)
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         host = self._host(tensor)
         request = self.mpi.Ibcast(self._spec(host), root=owner)
         return Pending(
-            lambda: (self._wait(request, f"broadcast from rank {owner}"), self._back(host, tensor, self.rank != owner))[
-                1
-            ],
-            host,
+            self._completion(request, f"broadcast from rank {owner}", host, tensor, self.rank != owner), host
         )
 
-    @staticmethod
-    def _back(host: torch.Tensor, tensor: torch.Tensor, received: bool) -> None:
-        """Copy a staged result back to the device tensor."""
-        if received and host is not tensor:
-            tensor.copy_(host, non_blocking=True)  # pinned: the copy is ordered on the stream, the host waits not
+    def _completion(
+        self, request: Any, what: str, host: torch.Tensor, tensor: torch.Tensor, received: bool
+    ) -> Callable[[], None]:
+        """Wait for ``request``, then copy a staged result back to the device tensor."""
+
+        def finish() -> None:
+            self._wait(request, what)
+            if received and host is not tensor:
+                tensor.copy_(host, non_blocking=True)  # pinned: ordered on the stream, the host waits not
+
+        return finish
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         host = self._host(tensor)

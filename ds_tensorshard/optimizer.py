@@ -27,6 +27,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -89,7 +90,7 @@ class TensorShardOptimizer(ZeROOptimizer):
     def __init__(
         self,
         init_optimizer: torch.optim.Optimizer,
-        engine: Any,
+        engine: DeepSpeedEngine,
         config: TensorShardConfig,
         joint_plan: OwnershipPlan | None = None,
     ) -> None:
@@ -156,7 +157,8 @@ class TensorShardOptimizer(ZeROOptimizer):
         self._inside_no_sync = lambda: engine.inside_no_sync_ctxt
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
         self.pipeline = isinstance(engine, PipelineEngine)
-        init_optimizer.add_param_group = self.add_param_group  # the inner optimizer refuses them too
+        # the inner optimizer refuses new groups too
+        init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
         self.reducer = OverlappedReducer(
             self._build_buckets(list(reversed(self.params))),
@@ -174,7 +176,8 @@ class TensorShardOptimizer(ZeROOptimizer):
             previous = getattr(param, "_tensorshard_hook", None)
             if previous is not None:
                 previous.remove()
-            param._tensorshard_hook = param.register_post_accumulate_grad_hook(self._gradient_ready)
+            hook = param.register_post_accumulate_grad_hook(self._gradient_ready)
+            param._tensorshard_hook = hook  # type: ignore[attr-defined]
         if engine.global_rank == 0:
             split = self.plan.split
             logger.info(
@@ -191,7 +194,7 @@ class TensorShardOptimizer(ZeROOptimizer):
             return False
         return is_model_parallel_parameter(param) or self.model_parallel_rank == 0
 
-    def _init_loss_scaling(self, engine: Any) -> None:
+    def _init_loss_scaling(self, engine: DeepSpeedEngine) -> None:
         self.loss_scaler = CreateLossScaler(
             dtype=self.dtype,
             static_loss_scale=engine.loss_scale(),
@@ -252,6 +255,7 @@ class TensorShardOptimizer(ZeROOptimizer):
             self._at_boundary() and not self._inside_no_sync() and not self.pipeline
         )
         if self.held is not None and (param in self.held or not reducing):
+            assert param.grad is not None, f"{self.names[param]}: hook called without a gradient"
             held = self.held.get(param)
             self.held[param] = param.grad.to(self.shard.accum_dtype) if held is None else held.add_(param.grad)
             param.grad = None
@@ -276,7 +280,9 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.held.pop(param, None)
 
     def _deliver(self, bucket: Bucket, segment: torch.Tensor) -> None:
-        for piece, grad in bucket.segment_of(self.comm.rank).views(segment):
+        owned = bucket.segment_of(self.comm.rank)
+        assert owned is not None, "a segment is delivered only to its owner"
+        for piece, grad in owned.views(segment):
             self.shard.accumulate(piece, grad)
 
     # -- update and gather ----------------------------------------------------------------------

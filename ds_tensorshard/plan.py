@@ -174,7 +174,7 @@ def _by_work(
     their blocks, the element counts and the work they leave on each rank."""
     heap = [(0.0, rank) for rank in range(world_size)]
     loads, work_loads = [0] * world_size, [0.0] * world_size
-    blocks = {}
+    blocks: dict[str, tuple[Block, ...]] = {}
     for name in sorted(work, key=lambda n: (-work[n], n)):
         cost, rank = heapq.heappop(heap)
         blocks[name] = (Block(rank, 0, numels[name]),)
@@ -191,7 +191,7 @@ def _largest_first(
     loads = list(start)
     heap = [(load, rank) for rank, load in enumerate(loads)]
     heapq.heapify(heap)
-    blocks = {}
+    blocks: dict[str, tuple[Block, ...]] = {}
     for name in order:
         load, rank = heapq.heappop(heap)
         blocks[name] = (Block(rank, 0, numels[name]),)
@@ -225,7 +225,8 @@ def _fill_with_blocks(
             loads[rank] = load + numel
             heapq.heappush(heap, (loads[rank], rank))
             continue
-        cut, first, skipped = [], 0, []
+        cut: list[Block] = []
+        first, skipped = 0, []
         while first < numel:
             rows = max(
                 math.floor((fill - load) / row + 0.5),  # to the nearest row: within half a row of fill,

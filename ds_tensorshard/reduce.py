@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .buckets import Bucket
 from .comm import Pending, Transport
 from .deadline import wait_or_fail
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Averaging:
     comm_dtype: torch.dtype | None = None
 
     @classmethod
-    def like_deepspeed(cls, engine: Any, world_size: int) -> Averaging:
+    def like_deepspeed(cls, engine: DeepSpeedEngine, world_size: int) -> Averaging:
         """``world_size``: the reducing group's (sequence x data parallel); the mean is over data-parallel
         ranks only, as stock divides by world / sequence_parallel_size (sequence shards add up)."""
         comm_dtype = engine._config.communication_data_type
@@ -178,12 +181,12 @@ class OverlappedReducer:
         if wait:
             self.drain()
         if self.observed is not None:
-            self._follow_backward_order()
+            self._follow_backward_order(self.observed)
         self._next_backward()
 
-    def _follow_backward_order(self) -> None:
-        seen = {id(p) for p in self.observed}
-        order = self.observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
+    def _follow_backward_order(self, observed: list[torch.nn.Parameter]) -> None:
+        seen = {id(p) for p in observed}
+        order = observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
         position = {id(p): i for i, p in enumerate(self.params)}
         agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
         wait_or_fail(

@@ -19,7 +19,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import SplitMode
 
 MPI_PROBE_TIMEOUT_S = 60
 STALE_LOCK_AGE_S = 1800  # no JIT build of a DeepSpeed op takes this long, even on 2 cores
@@ -326,7 +329,7 @@ def gather(
     config_path: str | None = None,
     world_sizes: list[int] | None = None,
     shapes: Any = None,
-    split: str = "auto",
+    split: SplitMode = "auto",
     bucket: int | None = None,
 ) -> dict[str, Any]:
     """Everything the report shows, as one JSON-able dict."""
@@ -342,7 +345,8 @@ def gather(
     config = None
     if config_path is not None:
         config = load_config(config_path)
-        checks = [check_config(config, n) for n in (world_sizes or [None])]
+        sizes: list[int | None] = list(world_sizes) if world_sizes else [None]
+        checks = [check_config(config, n) for n in sizes]
         report["config"] = {"path": config_path, **next((c for c in checks if not c["accepted"]), checks[0])}
         cfg = report["config"]
         if cfg.get("comm_backend") == "mpi" and not report["transports"]["mpi"].startswith("yes"):

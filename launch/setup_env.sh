@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "installing $TORCH_SPEC, deepspeed and ds_tensorshard into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install -q "$TORCH_SPEC"
-    "$VENV/bin/pip" install -q -e ".[test,mpich,bench]"
+    "$VENV/bin/pip" install -q -e ".[test,mpich,bench,lint]"
     echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

@@ -19,8 +19,9 @@ import os
 import resource
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -29,7 +30,7 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
 # two models (the second half as wide and half as deep) trained in the same processes
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 SHARDED = ("ts_torch", "ts_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's configurations
-_SENT = defaultdict(float)  # bytes sent by this rank, per collective kind
+_SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
     "reduce_scatter_tensor": lambda n, root, me: (n - 1) / n,
@@ -90,7 +91,7 @@ class Clock:
     """Adds up wall time per phase, for wrapped functions and explicit blocks."""
 
     def __init__(self) -> None:
-        self.spent = defaultdict(float)
+        self.spent: defaultdict[str, float] = defaultdict(float)
 
     def wrap(self, owner, name: str, phase: str) -> None:
         original = getattr(owner, name)
@@ -108,7 +109,7 @@ class Clock:
 
 def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: str = "adamw") -> dict:
     stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "optimizer": OPTIMIZERS[optimizer],
@@ -223,7 +224,7 @@ def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
 
 
 def build_deepspeed(
-    name: str, models: list[torch.nn.Module], micro: int, args: argparse.Namespace, clock: Clock
+    name: str, models: Sequence[torch.nn.Module], micro: int, args: argparse.Namespace, clock: Clock
 ) -> Setup:
     import deepspeed
 
@@ -232,7 +233,7 @@ def build_deepspeed(
     if args.optimizer == "muon":  # Muon on the blocks' matrices, its auxiliary Adam on the rest
         for model in models:
             for pname, p in model.named_parameters():
-                p.use_muon = p.dim() >= 2 and pname.startswith("blocks.")
+                setattr(p, "use_muon", p.dim() >= 2 and pname.startswith("blocks."))  # noqa: B010
     items = [
         dict(
             model=m,
@@ -265,7 +266,7 @@ def build_deepspeed(
             for engine in engines:
                 engine.step()
 
-    setup = Setup(models, train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
+    setup = Setup(list(models), train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
     setup.newton_schulz = lambda: newton_schulz_on_this_rank(name, engines[0])
     return setup
 
@@ -287,15 +288,15 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
         total = sum(newton_schulz_work(tuple(p.shape)) for group in groups for p in group if p.dim() >= 2)
         return total, total
     n, rank = optimizer.partition_count[0], tdist.get_rank(optimizer.dp_process_group)
-    mine = total = 0.0
+    mine, total = 0.0, 0.0
     for group in (g for g in optimizer.bit16_groups if getattr(g[0], "use_muon", False)):
         part = -(-sum(p.numel() for p in group) // n)
         offset = 0
         for p in group:
-            work = newton_schulz_work(tuple(p.shape)) if p.dim() >= 2 else 0.0
-            total += work
+            cost = newton_schulz_work(tuple(p.shape)) if p.dim() >= 2 else 0.0
+            total += cost
             if offset < (rank + 1) * part and offset + p.numel() > rank * part:
-                mine += work
+                mine += cost
             offset += p.numel()
     return mine, total
 

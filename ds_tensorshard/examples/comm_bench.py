@@ -45,7 +45,10 @@ def main() -> None:
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
     group = dist.new_group(list(range(dist.get_world_size())))
-    transports = {"torch": TorchComm(group, args.timeout_s), "mpi": MpiComm(group, args.timeout_s)}
+    transports: dict[str, Transport] = {
+        "torch": TorchComm(group, args.timeout_s),
+        "mpi": MpiComm(group, args.timeout_s),
+    }
     n = dist.get_world_size()
     for numel in args.numel:
         counts = [numel // n + (1 if r < numel % n else 0) for r in range(n)]

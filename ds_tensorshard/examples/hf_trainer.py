@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+import deepspeed
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
@@ -106,6 +107,7 @@ def main() -> None:
     trainer = Trainer(model=tiny_gpt2(), args=training, train_dataset=RandomTokens())
     trainer.train(resume_from_checkpoint=args.resume)
     engine = trainer.model_wrapped
+    assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
     if trainer.is_world_process_zero():
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
         print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from typing import NoReturn
 
 import torch
 
@@ -29,6 +30,7 @@ class InstantComm:
 
     def __init__(self, world_size: int) -> None:
         self.rank, self.world_size = 0, world_size
+        self.global_ranks, self.timeout_s, self.name = list(range(world_size)), float("inf"), "instant"
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         return Pending(lambda: None)
@@ -39,11 +41,14 @@ class InstantComm:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         return None
 
+    def fail(self, message: str) -> NoReturn:
+        raise RuntimeError(message)
+
 
 def shapes(count: int, seed: int = 0) -> list[tuple[str, tuple[int, ...]]]:
     """``count`` tensors of transformer-like shapes: matrices, vectors and a few embeddings."""
     rnd = random.Random(seed)
-    out = []
+    out: list[tuple[str, tuple[int, ...]]] = []
     for i in range(count):
         kind = rnd.random()
         shape = (

@@ -116,6 +116,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(module, loader, ckpt_path=args.resume)
+    assert isinstance(trainer.strategy, DeepSpeedStrategy)
     engine = trainer.strategy.deepspeed_engine
     per_step = {step: torch.stack(values).mean() for step, values in module.losses.items()}
     losses = {step: trainer.strategy.reduce(value, reduce_op="mean").item() for step, value in sorted(per_step.items())}

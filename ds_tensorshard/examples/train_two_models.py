@@ -56,7 +56,7 @@ def main() -> None:
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    models = {name: build("demo", **shape) for name, shape in SHAPES.items()}
+    models = {name: build("demo", "cpu", **shape) for name, shape in SHAPES.items()}
     results = ds_tensorshard.initialize_many(
         [dict(model=m, model_parameters=m.parameters(), config=config()) for m in models.values()]
     )
@@ -73,7 +73,7 @@ def main() -> None:
             f"(fullest / ideal {max(separate) / (sum(separate) / world):.4f})"
         )
     generator = torch.Generator().manual_seed(rank)
-    timings = {"step_many": [], "one by one": []}
+    timings: dict[str, list[float]] = {"step_many": [], "one by one": []}
     losses: dict[str, list[float]] = {name: [] for name in engines}
     for step in range(2 * args.steps + 2):
         mode = "step_many" if step % 2 == 0 else "one by one"
