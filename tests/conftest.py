@@ -1,9 +1,17 @@
 import os
+import runpy
 import sys
+import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# every process the tests start probes the CPU once for all (tests/site/sitecustomize.py says why)
+SITE = os.path.join(HERE, "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
+os.environ.setdefault("DS_TENSORSHARD_TEST_CPUINFO", os.path.join(tempfile.mkdtemp(prefix="ts-tests-"), "cpuinfo.json"))
+runpy.run_path(os.path.join(SITE, "sitecustomize.py"))  # and this process
 
 import pytest  # noqa: E402
 
