@@ -60,7 +60,7 @@ LAUNCHING_FIXTURES = {
     "split_checkpoints",
     "stock",
 }
-LONGER_TIERS = {"scale", "soak", "launchers", "versions", "frameworks", "gpu"}
+LONGER_TIERS = {"scale", "extended", "soak", "launchers", "versions", "frameworks", "gpu"}
 
 
 def pytest_collection_modifyitems(items):

@@ -65,6 +65,7 @@ def test_bench_refuses_mixing_one_and_two_model_configurations(tmp_path):
     assert not (tmp_path / "raw").exists()
 
 
+@pytest.mark.extended
 def test_bench_muon_reports_newton_schulz_work_and_adafactor_its_state(tmp_path):
     for optimizer in ("muon", "adafactor"):
         out = tmp_path / optimizer

@@ -17,7 +17,7 @@ from ranks import run_ranks
 WORKER = os.path.join(os.path.dirname(__file__), "many_worker.py")
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])
 def many(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"many{n}")

@@ -48,7 +48,7 @@ def launch(n: int, transport: str, out) -> None:
 def world_params():
     return [
         pytest.param((4, "torch"), id="4-torch"),
-        pytest.param((4, "mpi"), id="4-mpi"),
+        pytest.param((4, "mpi"), id="4-mpi", marks=pytest.mark.extended),
         pytest.param((8, "torch"), id="8-torch", marks=pytest.mark.scale),
         pytest.param((8, "mpi"), id="8-mpi", marks=pytest.mark.scale),
     ]
