@@ -18,6 +18,7 @@ import os
 import shutil
 import uuid
 
+import torch.distributed
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
@@ -31,9 +32,14 @@ def _enabled(engine) -> bool:
     return getattr(engine, "_tensorshard_config", None) is not None
 
 
+def _mp_rank(engine) -> int:
+    """The model-parallel rank in checkpoint file names (``engine.checkpoint_mp_rank`` from 0.19.7 on)."""
+    return 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
+
+
 def _shared_checkpoint_id() -> str:
     box = [uuid.uuid4().hex]
-    dist.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0)  # deepspeed.comm has no object collectives before 0.17
     return box[0]
 
 
@@ -85,7 +91,7 @@ def wrap_save_checkpoint(original):
         finally:
             del self.checkpoint_engine.save
         reports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, failures)  # every rank learns whether every rank's files are complete
+        torch.distributed.all_gather_object(reports, failures)  # every rank learns whether all files are complete
         failed = [(rank, failure) for rank, found in enumerate(reports) for failure in found]
         if self.global_rank == 0:
             if failed:
@@ -176,12 +182,10 @@ def wrap_load_checkpoint(original):
             return call()
         if load_module_only or not (load_optimizer_states or universal):
             # stock reads no optimizer file then: the masters are refreshed from the loaded module
-            verify(os.path.join(load_dir, resolved, model_states_name(self.checkpoint_mp_rank)))
+            verify(os.path.join(load_dir, resolved, model_states_name(_mp_rank(self))))
             source = None
         else:
-            source = open_checkpoint(
-                os.path.join(load_dir, resolved), universal=universal, mp_rank=self.checkpoint_mp_rank
-            )
+            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal, mp_rank=_mp_rank(self))
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self._tensorshard_source = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
@@ -214,7 +218,7 @@ def wrap_load_zero_checkpoint(original):
         source = getattr(self, "_tensorshard_source", None)
         if source is None:
             source = open_checkpoint(
-                os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=self.checkpoint_mp_rank
+                os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=_mp_rank(self)
             )
             source.check_model(*self.optimizer.expected_checkpoint_layout())
         self.optimizer.load_from_source(source, load_optimizer_states)

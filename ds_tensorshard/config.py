@@ -107,6 +107,16 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
                 "'zero_optimization.reduce_scatter' (stock DeepSpeed refuses it too); "
                 "set reduce_scatter to false or remove it"
             )
+    if (param_dict.get("fp16") or {}).get("enabled") is True:
+        from .versions import fp16_refusal, installed_release
+
+        why = fp16_refusal(stage, installed_release())
+        if why is not None:
+            raise TensorShardConfigError(
+                f"'fp16.enabled' with ZeRO stage {stage} is refused on deepspeed "
+                f"{'.'.join(map(str, installed_release()))}: {why}, so there is no stock run to match; use bf16 "
+                "or fp32, or deepspeed >= 0.18.3" + (" (or stage 1)" if stage == 2 else "")
+            )
     from .inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
 
     if client_optimizer is None:

@@ -53,6 +53,7 @@ from .plan import Block, OwnershipPlan, plan_ownership
 from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
 from .reduce import Averaging, OverlappedReducer
 from .update import OwnedShard
+from .versions import installed_release
 
 STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
 JOINT_PLAN_ATTRIBUTE = "_tensorshard_joint_plan"  # set on a model by initialize_many while its engine is built
@@ -104,11 +105,14 @@ class TensorShardOptimizer(ZeROOptimizer):
         self.partition_gradients = engine.zero_optimization_stage() == 2
         self.clip_grad = float(engine.gradient_clipping())
         self.dtype = engine.get_data_types()[0]
+        bf16_config = getattr(engine._config, "bfloat16_config", None)  # through 0.17.0: bf16 is never checked
         self.check_grad_overflow = engine.fp16_enabled() or (
-            engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow
+            engine.bfloat16_enabled() and bf16_config is not None and bf16_config.check_grad_overflow
         )
         # DeepSpeed before 0.19.7 has no compute_grad_norm setting: it always computes the norm
         self.compute_grad_norm = getattr(engine, "zero_compute_grad_norm", lambda: True)()
+        # what get_global_grad_norm() gives after an overflow: inf since 0.19.8, the last step's norm before
+        self.overflow_norm_is_inf = installed_release() >= (0, 19, 8)
         self.model_parallel_group = engine.mpu.get_model_parallel_group() if engine.mpu is not None else None
         self.model_parallel_rank = bwc_tensor_model_parallel_rank(engine.mpu)
         self._init_loss_scaling(engine)
@@ -229,6 +233,11 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     cur_scale = loss_scale
 
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Engines before DeepSpeed 0.19 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
+        does, the loss in fp32 times the loss scale (1 unless fp16). Newer engines scale and run it themselves."""
+        self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
+
     # -- reduce ---------------------------------------------------------------------------------
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
         """Stage 1, at the accumulation boundary: average every gradient onto its owner."""
@@ -326,7 +335,10 @@ class TensorShardOptimizer(ZeROOptimizer):
         prev_scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
-            self._global_grad_norm = float("inf") if self.compute_grad_norm else None
+            if not self.compute_grad_norm:
+                self._global_grad_norm = None
+            elif self.overflow_norm_is_inf:
+                self._global_grad_norm = float("inf")
             self.overlap.prepared = Prepared(overflow=True, combined_scale=None)
             return
         self._global_grad_norm = float(scaled_norm / prev_scale) if self.compute_grad_norm else None

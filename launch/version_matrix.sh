@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepSpeed releases: the oldest and newest of each series 0.16-0.19, each in its own venv with torch 2.13.0
-# (made on first use: .venv-ds<release>), then the import check and, with tests/compat_site's helpers,
+# (made on first use: .venv-ds<release>), then the import check and
 # the equivalence and checkpoint tests against stock ZeRO of that release; one line per release at the end.
 #   bash launch/version_matrix.sh [PYTEST ARGS...]
 set -euo pipefail

@@ -7,7 +7,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import ds_tensorshard
 from ds_tensorshard.config import TensorShardConfigError
-from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
+from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version, fp16_refusal
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -123,11 +123,11 @@ def test_install_is_idempotent():
     assert ds_tensorshard.installed()
 
 
-@pytest.mark.parametrize("version", ["0.18.9", "0.19.7", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.14.5", "0.15.4", "0.20.0", "1.0.0"])
 def test_unsupported_deepspeed_versions_are_named(version, monkeypatch):
     monkeypatch.delenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", raising=False)
     with pytest.raises(
-        UnsupportedDeepSpeedVersion, match=rf"supports deepspeed >=0\.19\.8,<0\.20 but deepspeed {version} is installed"
+        UnsupportedDeepSpeedVersion, match=rf"supports deepspeed >=0\.16\.0,<0\.20 but deepspeed {version} is installed"
     ):
         check_deepspeed_version(version)
     monkeypatch.setenv("DS_TENSORSHARD_UNTESTED_DEEPSPEED", "1")  # try an untested release anyway: a warning
@@ -135,6 +135,31 @@ def test_unsupported_deepspeed_versions_are_named(version, monkeypatch):
         check_deepspeed_version(version)
 
 
+@pytest.mark.parametrize(
+    "version, stage, refused",
+    [
+        ((0, 17, 5), 2, False),
+        ((0, 17, 6), 1, True),  # stock fp16 ZeRO-1 stops there
+        ((0, 17, 6), 2, True),
+        ((0, 18, 0), 1, False),
+        ((0, 18, 2), 2, True),  # deepspeed#7718 in stock ZeRO-2
+        ((0, 18, 3), 2, False),
+        ((0, 19, 8), 2, False),
+    ],
+)
+def test_fp16_is_refused_where_stock_gives_nothing_to_match(version, stage, refused, monkeypatch):
+    assert (fp16_refusal(stage, version) is not None) == refused
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: version)
+    config = base_config(fp16={"enabled": True}, zero_optimization={"stage": stage})
+    if refused:
+        release = ".".join(map(str, version))
+        with pytest.raises(TensorShardConfigError, match=rf"'fp16.enabled' with ZeRO stage {stage} .* {release}: "):
+            ds_tensorshard.config.validate_engine_config(config)
+    else:
+        assert ds_tensorshard.config.validate_engine_config(config).enabled
+
+
 def test_supported_version_passes():
-    check_deepspeed_version("0.19.8")
+    for version in ("0.16.0", "0.17.6", "0.18.9", "0.19.8"):
+        check_deepspeed_version(version)
     check_deepspeed_version(deepspeed.__version__)
