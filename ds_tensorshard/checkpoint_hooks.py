@@ -4,7 +4,8 @@
 file of one save carries one checkpoint id; only when every rank's files are complete does the
 staging folder become the tag's folder (replacing an earlier save of the same tag whole) and
 ``latest`` move. A write that fails on any rank fails the save on every rank, naming the file, and
-leaves nothing of it behind.
+leaves nothing of it behind; the staging folder of a save whose rank was killed stays until the next
+complete save of that tag removes it (it is never taken for a checkpoint).
 ``load_checkpoint``: the checkpoint (ds_tensorshard, stock ZeRO-1/2 or universal) is opened and
 checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
@@ -100,6 +101,7 @@ def wrap_save_checkpoint(original):
             else:
                 _move_into_place(staging, final)
                 _remove_stale_rank_files(final, self.optimizer.comm.world_size)
+                _remove_abandoned_staging(save_dir, tag)
                 if save_latest:
                     write_text_atomic(os.path.join(save_dir, "latest"), tag)
         dist.barrier()
@@ -122,6 +124,14 @@ def _inside(path: str, folder: str) -> bool:
 def _remove_if_empty(folder: str) -> None:
     if os.path.isdir(folder) and not os.listdir(folder):
         os.rmdir(folder)
+
+
+def _remove_abandoned_staging(save_dir: str, tag: str) -> None:
+    """Staging folders of earlier saves of ``tag`` that never completed (a rank killed mid-write): the save
+    that just completed replaces them."""
+    for entry in os.listdir(save_dir):
+        if entry.startswith(f".{tag}.saving-"):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
 
 
 def _move_into_place(staging: str, final: str) -> None:

@@ -16,7 +16,7 @@ import deepspeed
 import pytest
 import torch
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
-from ranks import run_in_group, run_ranks, run_until_one_dies
+from ranks import run_cli, run_in_group, run_ranks, run_until_one_dies
 from tiny_gpt import TinyGPT
 
 import ds_tensorshard  # noqa: F401
@@ -81,7 +81,10 @@ def runs(tmp_path_factory):
         2,
     )
     r["kill_codes"] = codes
-    r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k")
+    r["after_kill_listing"] = sorted(os.listdir(d / "k"))
+    r["after_kill_step4"] = sorted(os.listdir(d / "k" / "step4")) if (d / "k" / "step4").exists() else []
+    r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k", "--save", d / "k", "--save-at", 4)
+    r["after_resave_listing"] = sorted(os.listdir(d / "k"))
     cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
     r["converted_stock"] = train(d / "lcs.pt", "fp32", "ts", 2, 2, "--load", d / "s2_as_ts")
     cli("convert-checkpoint", d / "c2", d / "c2_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
@@ -90,7 +93,7 @@ def runs(tmp_path_factory):
 
 
 def cli(*args):
-    proc = run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300)
+    proc = run_cli(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -126,9 +129,14 @@ def test_stock_zero1_bf16_checkpoint_from_3_ranks_continues_at_2(runs):
 def test_killed_save_leaves_previous_checkpoint_loadable(runs):
     d = runs["dir"] / "k"
     assert runs["kill_codes"][1] == -9  # SIGKILL in the middle of writing its file
-    assert (d / "latest").read_text() == "step2"
+    left = runs["after_kill_listing"]  # 'latest' still names step2; step4's files only in a staging folder
+    assert {"latest", "step2"} <= set(left) and runs["after_kill_step4"] == [], (left, runs["after_kill_step4"])
+    assert [e for e in left if e.startswith(".")] == [e for e in left if e.startswith(".step4.saving-")] != [], left
     assert_continues(runs["after_kill"], runs["ref2"], FP32, first_step=2)
-    assert not (d / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
+    # the resumed run saved step4 again: complete, 'latest' moved, the abandoned staging folder gone
+    assert not [e for e in runs["after_resave_listing"] if e.startswith(".")], runs["after_resave_listing"]
+    assert (d / "latest").read_text() == "step4"
+    assert (d / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
 
 
 # -- refusals, in this process (one rank): named, and before any state is touched ------------------
@@ -305,18 +313,7 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
         ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block"),
     ]:
         (tmp_path / "in.json").write_text(json.dumps(config))
-        proc = run_in_group(
-            [
-                sys.executable,
-                "-m",
-                "ds_tensorshard.cli",
-                "migrate-config",
-                str(tmp_path / "in.json"),
-                "-o",
-                str(tmp_path / "out.json"),
-            ],
-            timeout=120,
-        )
+        proc = run_cli("migrate-config", tmp_path / "in.json", "-o", tmp_path / "out.json", timeout=120)
         assert proc.returncode != 0 and message in proc.stderr
         assert not (tmp_path / "out.json").exists()
 
