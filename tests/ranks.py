@@ -96,6 +96,11 @@ def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) 
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_cli(*args: Any, timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``ds-tensorshard ARGS`` (as ``python -m ds_tensorshard.cli``) through :func:`run_in_group`."""
+    return run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=timeout, **kwargs)
+
+
 def launcher_env() -> dict:
     """The environment for a launcher (deepspeed, mpiexec, ds-tensorshard bench) that assigns ranks
     itself: no rank variables, CPU settings, and the virtual environment's executables on PATH."""

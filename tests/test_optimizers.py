@@ -15,7 +15,7 @@ import pytest
 import torch
 from compare import TOLERANCE, assert_run_matches
 from optimizers import ELEMENTWISE, WHOLE_MATRIX
-from ranks import run_in_group, run_ranks
+from ranks import run_cli, run_ranks
 
 HERE = os.path.dirname(__file__)
 # stage 0 (the reference) and the ZeRO path differ in bf16 already for element-wise optimizers (stock
@@ -172,24 +172,8 @@ def test_state_resumes_exactly_and_at_another_world_size(tmp_path, name):
 
 
 def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
-    import sys
-
     reference = train(tmp_path / "ref.pt", 2, "adagrad", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_in_group(
-        [
-            sys.executable,
-            "-m",
-            "ds_tensorshard.cli",
-            "convert-checkpoint",
-            str(tmp_path / "c"),
-            str(tmp_path / "z"),
-            "--to",
-            "zero",
-            "--world-size",
-            "3",
-        ],
-        timeout=300,
-    )
+    proc = run_cli("convert-checkpoint", tmp_path / "c", tmp_path / "z", "--to", "zero", "--world-size", 3)
     assert proc.returncode == 0, proc.stderr
     stock = train(tmp_path / "s.pt", 3, "adagrad", "--load", tmp_path / "z", mode="stock")
     assert_continues(stock, reference, TOLERANCE["fp32"])
@@ -198,21 +182,7 @@ def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
 
 
 def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path):
-    import sys
-
     train(tmp_path / "ref.pt", 2, "adafactor", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_in_group(
-        [
-            sys.executable,
-            "-m",
-            "ds_tensorshard.cli",
-            "convert-checkpoint",
-            str(tmp_path / "c"),
-            str(tmp_path / "z"),
-            "--to",
-            "zero",
-        ],
-        timeout=300,
-    )
+    proc = run_cli("convert-checkpoint", tmp_path / "c", tmp_path / "z", "--to", "zero")
     assert proc.returncode == 2 and "optimizer state 'row_var'" in proc.stderr, proc.stderr
     assert not (tmp_path / "z" / "latest").exists()

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from compare import assert_run_matches
-from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_cli, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "tp_worker.py")
@@ -78,21 +78,7 @@ def tp_checkpoints(tmp_path_factory):
     runs["2to1"] = train(d / "l21", 2, "fp32:ts:2", "--load", d / "c")  # 2 tp x 1 dp
     runs["stock"] = train(d / "stock", 4, "fp32:stock:2", "--save", d / "s")
     runs["stock2to1"] = train(d / "ls21", 2, "fp32:ts:2", "--load", d / "s")
-    proc = run_in_group(
-        [
-            sys.executable,
-            "-m",
-            "ds_tensorshard.cli",
-            "convert-checkpoint",
-            str(d / "c"),
-            str(d / "z"),
-            "--to",
-            "zero",
-            "--world-size",
-            "1",
-        ],
-        timeout=300,
-    )
+    proc = run_cli("convert-checkpoint", d / "c", d / "z", "--to", "zero", "--world-size", 1)
     assert proc.returncode == 0, proc.stderr
     runs["zero2to1"] = train(d / "lz21", 2, "fp32:stock:2", "--load", d / "z")
     return runs

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from compare import assert_cases_match
-from ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
+from ranks import TIMEOUT_S, free_port, launcher_env, run_cli, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -117,9 +117,7 @@ def assert_continues(resumed, reference, first_step=3):
 
 
 def cli(*args):
-    proc = run_in_group(
-        [sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=300, env={**os.environ, **CKPT_ENV}
-    )
+    proc = run_cli(*args, env={**os.environ, **CKPT_ENV})
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
