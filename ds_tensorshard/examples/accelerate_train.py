@@ -19,24 +19,9 @@ import os
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_llama
 
-VOCAB, SEQ, SAMPLES = 128, 16, 96
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(config)
+SAMPLES = 96
 
 
 def main() -> None:
@@ -88,16 +73,7 @@ def main() -> None:
             if step == args.steps:
                 break
     if accelerator.is_main_process:
-        print(f"optimizer {type(model.optimizer).__name__}; losses {losses}")
-        if args.results:
-            torch.save(
-                {
-                    "losses": losses,
-                    "optimizer_class": type(model.optimizer).__name__,
-                    "params": {n: p.detach().float().clone() for n, p in model.module.named_parameters()},
-                },
-                args.results,
-            )
+        report(losses, model.optimizer, model.module, args.results)
     accelerator.wait_for_everyone()
     from ds_tensorshard.comm import close_process_group
 

@@ -18,8 +18,9 @@ import deepspeed
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_gpt2
 
-VOCAB, SEQ, SAMPLES = 128, 16, 96
+SAMPLES = 96
 
 
 def ds_config(stock: bool) -> dict:
@@ -51,23 +52,6 @@ class RandomTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
-
-
-def tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(config)
 
 
 def main() -> None:
@@ -110,16 +94,7 @@ def main() -> None:
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
     if trainer.is_world_process_zero():
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
-        print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")
-        if args.results:
-            torch.save(
-                {
-                    "losses": losses,
-                    "optimizer_class": type(engine.optimizer).__name__,
-                    "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
-                },
-                args.results,
-            )
+        report(losses, engine.optimizer, engine.module, args.results)
     from ds_tensorshard.comm import close_process_group
 
     close_process_group()

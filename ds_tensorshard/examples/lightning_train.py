@@ -19,8 +19,7 @@ import argparse
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
-
-VOCAB, SEQ = 128, 16
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_gpt2
 
 
 def ds_config(stock: bool) -> dict:
@@ -32,26 +31,13 @@ def ds_config(stock: bool) -> dict:
 
 def build_module(lr: float = 1e-2):
     import lightning.pytorch as pl
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     class TinyGPT2(pl.LightningModule):
         """GPT-2 from a config; AdamW from configure_optimizers (a client optimizer DeepSpeed wraps)."""
 
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.model = GPT2LMHeadModel(
-                GPT2Config(
-                    vocab_size=VOCAB,
-                    n_positions=SEQ,
-                    n_embd=32,
-                    n_layer=2,
-                    n_head=2,
-                    resid_pdrop=0.0,
-                    embd_pdrop=0.0,
-                    attn_pdrop=0.0,
-                )
-            )
+            self.model = tiny_gpt2()
             self.losses: dict[int, list[float]] = {}
 
         def training_step(self, batch, batch_idx):
@@ -121,16 +107,7 @@ def main() -> None:
     per_step = {step: torch.stack(values).mean() for step, values in module.losses.items()}
     losses = {step: trainer.strategy.reduce(value, reduce_op="mean").item() for step, value in sorted(per_step.items())}
     if trainer.is_global_zero:
-        print(f"optimizer {type(engine.optimizer).__name__}; losses {losses}")
-        if args.results:
-            torch.save(
-                {
-                    "losses": losses,
-                    "optimizer_class": type(engine.optimizer).__name__,
-                    "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
-                },
-                args.results,
-            )
+        report(losses, engine.optimizer, engine.module, args.results)
     from ds_tensorshard.comm import close_process_group
 
     close_process_group()
