@@ -110,12 +110,14 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     if (param_dict.get("fp16") or {}).get("enabled") is True:
         from .versions import fp16_refusal, installed_release
 
-        why = fp16_refusal(stage, installed_release())
+        release = installed_release()
+        why = fp16_refusal(stage, release)
         if why is not None:
+            stage_1_works = stage == 2 and fp16_refusal(1, release) is None
             raise TensorShardConfigError(
-                f"'fp16.enabled' with ZeRO stage {stage} is refused on deepspeed "
-                f"{'.'.join(map(str, installed_release()))}: {why}, so there is no stock run to match; use bf16 "
-                "or fp32, or deepspeed >= 0.18.3" + (" (or stage 1)" if stage == 2 else "")
+                f"'fp16.enabled' with ZeRO stage {stage} is refused on deepspeed {'.'.join(map(str, release))}: "
+                f"{why}, so there is no stock run to match; use bf16 or fp32, or deepspeed >= 0.18.3"
+                + (" (or stage 1)" if stage_1_works else "")
             )
     from .inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
 

@@ -153,8 +153,11 @@ def test_fp16_is_refused_where_stock_gives_nothing_to_match(version, stage, refu
     config = base_config(fp16={"enabled": True}, zero_optimization={"stage": stage})
     if refused:
         release = ".".join(map(str, version))
-        with pytest.raises(TensorShardConfigError, match=rf"'fp16.enabled' with ZeRO stage {stage} .* {release}: "):
+        with pytest.raises(
+            TensorShardConfigError, match=rf"'fp16.enabled' with ZeRO stage {stage} .* {release}: "
+        ) as err:
             ds_tensorshard.config.validate_engine_config(config)
+        assert ("(or stage 1)" in str(err.value)) == (stage == 2 and fp16_refusal(1, version) is None)
     else:
         assert ds_tensorshard.config.validate_engine_config(config).enabled
 
