@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 
 ELEMENTWISE = ("adagrad", "sgd", "rmsprop", "lion")
-WHOLE_MATRIX = ("muon", "adafactor", "lamb", "torchmuon")
+# muon: DeepSpeed's Muon with Newton-Schulz forced to fp32; muonhalf: the same in a GPU's half precision
+# (optim_worker.force_newton_schulz); torch's Muon always orthogonalizes in bf16
+WHOLE_MATRIX = ("muon", "muonhalf", "adafactor", "lamb", "torchmuon")
 
 
 class Lion(torch.optim.Optimizer):

@@ -15,6 +15,7 @@ import sys
 import deepspeed
 import pytest
 import torch
+from compare import ACROSS_WORLDS
 from equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 from ranks import run_cli, run_in_group, run_ranks, run_until_one_dies
 from tiny_gpt import TinyGPT
@@ -24,8 +25,7 @@ from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
 from ds_tensorshard.rank_file import FORMAT_KEY
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
-FP32 = dict(loss=1e-5, param=1e-5)
-BF16 = dict(loss=1e-3, param=1e-2)  # see test_equivalence.TOLERANCE
+FP32, BF16 = ACROSS_WORLDS["fp32"], ACROSS_WORLDS["bf16"]  # resumes at another world size (compare.py)
 
 
 def train(out, dtype, mode, stage, world, *extra):
@@ -320,8 +320,8 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
 
 @pytest.mark.multiprocess
 def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
-    # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments), far
-    # above the 64 MiB slack; reading every rank's file, or a second copy of one's own, would break the bound
+    # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments); reading
+    # every rank's file, or a second copy of one's own, adds at least that much again
     shape = ["--preset", "demo", "--layers", "8", "--width", "512", "--vocab", "1024"]
     rows = []
     for phase in ("save", "load"):
@@ -330,6 +330,5 @@ def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
         )[0]
         rows += [json.loads(line[len("MEMORY ") :]) for line in out.splitlines() if line.startswith("MEMORY ")]
     assert [(r["phase"], r["rank"]) for r in rows] == [("save", 0), ("save", 1), ("load", 0), ("load", 1)]
-    for r in rows:  # 64 MiB of allocator and import slack on top of the bound
-        assert r["own_state_mib"] > 2 * 64, r
-        assert r["rise_mib"] <= r["own_state_mib"] + r["largest_tensor_state_mib"] + 64, r
+    for r in rows:  # slack for allocator and imports: half of what the smallest violation (one more copy) adds
+        assert r["rise_mib"] <= r["own_state_mib"] + r["largest_tensor_state_mib"] + r["own_state_mib"] / 2, r

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from compare import ACROSS_WORLDS
 from ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
 
 pytestmark = pytest.mark.frameworks
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
 CPU_SITE = {"PYTHONPATH": os.path.join(HERE, "cpu_site")}
 RESUME_RANKS, RESUME_ACCUM = 3, 2  # 2 ranks x 3 accumulation = 3 ranks x 2: the same 12 samples per step
-FP32_LOSS, FP32_PARAM = 1e-5, 1e-5
+FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["param"]  # compare.py
 
 
 @pytest.fixture(scope="module", autouse=True)

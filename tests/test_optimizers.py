@@ -18,29 +18,39 @@ from optimizers import ELEMENTWISE, WHOLE_MATRIX
 from ranks import run_cli, run_ranks
 
 HERE = os.path.dirname(__file__)
-# stage 0 (the reference) and the ZeRO path differ in bf16 already for element-wise optimizers (stock
-# ZeRO-1 with SGD lands 3e-4 / 4.9e-4 from stage 0, with Lion 9e-5 / 2.2e-3, measured); Newton-Schulz,
-# factored second moments and trust ratios respond to that about four times as much (Muon 1.1e-3 / 9.5e-3)
-WHOLE_BF16 = dict(loss=2e-3, param=2e-2)
-# torch's Muon orthogonalizes in bf16 even for an fp32 model: a stage-2 summation difference at the
-# rounding level becomes up to 2e-3 in the parameters (stage 1 is bit-identical)
-TORCH_MUON_STAGE2 = dict(loss=1e-4, param=5e-3)
+# Where the optimizer runs in fp32 throughout (fp32 model; Newton-Schulz, if any, in fp32) ds_tensorshard
+# must match the stage-0 reference exactly (compare.TOLERANCE["fp32"]). Elsewhere (bf16 models; Newton-Schulz
+# in half precision: muonhalf, torch's Muon) a rounding-level change of the gradients moves the reference
+# itself by more than that, so each worker also runs the reference with every gradient nudged by one ulp
+# ("ulp" mode, optim_worker.py): that run's distance from the reference (the largest over steps and ranks)
+# is the reference's own sensitivity. ds_tensorshard sums the same gradients in another order, a rounding or
+# two per element, and must land within SENSITIVITY_FACTOR times that sensitivity; in bf16 it (like stock
+# ZeRO-1/2) also rounds the accumulated gradient to bf16 at each micro-step, where the stage-0 reference
+# accumulates in fp32: twice the factor. Measured ratios are in the README (at most 1.8 in fp32, 4.5 in bf16).
+SENSITIVITY_FACTOR = {"fp32": 4, "bf16": 8}
+EXACT = {("muon", "fp32"), ("adafactor", "fp32"), ("lamb", "fp32")}
 
 
 def cases(dtype: str) -> list[str]:
     found = [f"{o}:{dtype}:{m}:{s}" for o in ELEMENTWISE for m in ("stock", "ts") for s in (1, 2)]
     found += [f"{o}:{dtype}:{m}:{s}" for o in WHOLE_MATRIX for m, s in (("stock", 0), ("ts", 1), ("ts", 2))]
-    return found + [f"{o}:{dtype}:stock:2" for o in STOCK_ZERO2_RUNS]  # how far stock lands from the reference
+    found += [f"{o}:{dtype}:ulp:0" for o in WHOLE_MATRIX if (o, dtype) not in EXACT]
+    if dtype == "fp32":  # how far stock lands from the reference
+        found += [f"{o}:{dtype}:stock:2" for o in STOCK_ZERO2_RUNS]
+    return found
 
 
-STOCK_ZERO2_RUNS = ("muon", "adafactor", "lamb")  # torch's Muon does not run under stock ZeRO-2 (1-D slices)
+# torch's Muon does not run under stock ZeRO-2 (1-D slices)
+STOCK_ZERO2_RUNS = ("muon", "muonhalf", "adafactor", "lamb")
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def trained(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"optim{n}")
-    run_ranks([os.path.join(HERE, "optim_worker.py"), str(out), *cases("fp32"), *cases("bf16")], n)
+    # the half-precision Newton-Schulz cases last: the worker recompiles Newton-Schulz once, between the kinds
+    ordered = sorted(cases("fp32") + cases("bf16"), key=lambda case: case.startswith("muonhalf:"))
+    run_ranks([os.path.join(HERE, "optim_worker.py"), str(out), *ordered], n)
     return n, lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
@@ -55,36 +65,46 @@ def test_elementwise_optimizer_matches_stock_zero(trained, name, dtype):
             assert_run_matches(ours, stock, dtype, f"{name} {dtype} stage {stage} rank {rank}")
 
 
-def _close(ours: dict, reference: dict, tol: dict, where: str) -> None:
-    torch.testing.assert_close(
-        torch.tensor(ours["losses"]),
-        torch.tensor(reference["losses"]),
-        rtol=0,
-        atol=tol["loss"],
-        msg=lambda m: f"{where} losses: {m}",
-    )
-    for name, value in reference["params"].items():
-        torch.testing.assert_close(
-            ours["params"][name], value, rtol=0, atol=tol["param"], msg=lambda m, name=name: f"{where} {name}: {m}"
-        )
+def _distance(load, case: str, reference: str, n: int) -> tuple[float, float]:
+    """The largest loss difference and the largest parameter difference between two runs, over the ranks."""
+    found = [_run_distance(load(case, rank), load(reference, rank)) for rank in range(n)]
+    return max(loss for loss, _ in found), max(param for _, param in found)
+
+
+def _run_distance(a: dict, b: dict) -> tuple[float, float]:
+    return (torch.tensor(a["losses"]) - torch.tensor(b["losses"])).abs().max().item(), _max_param_diff(a, b)
+
+
+def _max_param_diff(a: dict, b: dict) -> float:
+    return max((a["params"][k] - v).abs().max().item() for k, v in b["params"].items())
+
+
+def _bound(load, name: str, dtype: str, n: int) -> tuple[float, float]:
+    """SENSITIVITY_FACTOR times the reference's distance from itself with its gradients nudged by one ulp."""
+    nudged = _distance(load, f"{name}:{dtype}:ulp:0", f"{name}:{dtype}:stock:0", n)
+    assert min(nudged) > 0, f"{name} {dtype}: one ulp did not move the reference; the bound would be exact"
+    return SENSITIVITY_FACTOR[dtype] * nudged[0], SENSITIVITY_FACTOR[dtype] * nudged[1]
 
 
 @pytest.mark.parametrize("name", WHOLE_MATRIX)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_whole_matrix_optimizer_matches_the_unsharded_reference(trained, name, dtype):
     n, load = trained
+    reference = f"{name}:{dtype}:stock:0"
     for stage in (1, 2):
-        for rank in range(n):
-            ours, reference = load(f"{name}:{dtype}:ts:{stage}", rank), load(f"{name}:{dtype}:stock:0", rank)
-            reference = {k: v for k, v in reference.items() if k != "norms"}  # stage 0 reports no grad norm
-            where = f"{name} {dtype} stage {stage} rank {rank} vs stage 0"
-            assert not ours["split"]  # whole matrices are never split
-            if dtype == "bf16":
-                _close(ours, reference, WHOLE_BF16, where)
-            elif name == "torchmuon" and stage == 2:
-                _close(ours, reference, TORCH_MUON_STAGE2, where)
-            else:
-                assert_run_matches(ours, reference, dtype, where)
+        where = f"{name} {dtype} stage {stage} vs stage 0"
+        assert not any(load(f"{name}:{dtype}:ts:{stage}", rank)["split"] for rank in range(n))  # never split
+        if (name, dtype) in EXACT:
+            for rank in range(n):
+                exact = {k: v for k, v in load(reference, rank).items() if k != "norms"}  # stage 0: no grad norm
+                assert_run_matches(load(f"{name}:{dtype}:ts:{stage}", rank), exact, dtype, f"{where} rank {rank}")
+            continue
+        (loss, param), (loss_bound, param_bound) = (
+            _distance(load, f"{name}:{dtype}:ts:{stage}", reference, n),
+            _bound(load, name, dtype, n),
+        )
+        print(f"{n} ranks, {where}: loss {loss:.2e} (bound {loss_bound:.2e}), param {param:.2e} ({param_bound:.2e})")
+        assert loss <= loss_bound and param <= param_bound, (where, loss, loss_bound, param, param_bound)
 
 
 @pytest.mark.parametrize("name", ELEMENTWISE + WHOLE_MATRIX)
@@ -102,6 +122,7 @@ def test_state_exists_only_for_owned_tensors(trained, name):
         "lion": {"exp_avg"},
         "adafactor": {"row_var", "col_var", "variance", "step"},
         "muon": {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"},
+        "muonhalf": {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"},
     }.get(name)
     if expected is not None:
         assert set(per_rank[0]["owned_state_keys"]) == expected
@@ -117,19 +138,18 @@ def test_adafactor_keeps_its_factored_state_which_stock_zero2_cannot(trained):
     assert stock >= params  # flat slices cannot be factored: one value per element, at least
 
 
-def _max_param_diff(a: dict, b: dict) -> float:
-    return max((a["params"][k] - v).abs().max().item() for k, v in b["params"].items())
-
-
 @pytest.mark.parametrize("name", STOCK_ZERO2_RUNS)
 def test_stock_zero2_lands_far_from_the_reference_where_ds_tensorshard_does_not(trained, name):
+    """Stock ZeRO-2 hands the optimizer flat slices, not matrices: another algorithm, an lr step or more away
+    (fp32). Where ds_tensorshard is exact that is 100x its distance; elsewhere 4x the bound it is held to
+    (measured: 10x)."""
     n, load = trained
-    reference = load(f"{name}:fp32:stock:0", 0)
-    stock, ours = (
-        _max_param_diff(load(f"{name}:fp32:stock:2", 0), reference),
-        _max_param_diff(load(f"{name}:fp32:ts:2", 0), reference),
-    )
-    assert stock > 1e-3 and ours < stock / 100, (name, stock, ours)
+    reference = f"{name}:fp32:stock:0"
+    stock = _distance(load, f"{name}:fp32:stock:2", reference, n)[1]
+    ours = _distance(load, f"{name}:fp32:ts:2", reference, n)[1]
+    far = 100 * ours if (name, "fp32") in EXACT else 4 * _bound(load, name, "fp32", n)[1]
+    print(f"{n} ranks, {name} fp32: stock ZeRO-2 {stock:.2e}, ds_tensorshard {ours:.2e}, far {far:.2e}")
+    assert stock > 1e-3 and stock > far, (name, stock, ours, far)
 
 
 # -- checkpoints: any per-tensor state, by parameter name, at any world size -----------------------------

@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from ranks import free_port, launcher_env, rank_env
+from ranks import free_port, launcher_env, start_ranks
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hang_worker.py")
@@ -30,26 +30,15 @@ def events(text: str) -> dict[str, float]:
 
 def run_ranks_until_rank0_ends(mode: str) -> tuple[int, float, str, str]:
     """Two ranks (torch transport); returns rank 0's exit code, exit time and output, and rank 1's output."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, mode, "torch", str(TIMEOUT_S)],
-            env=rank_env(r, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for r in range(2)
-    ]
+    ranks = start_ranks([WORKER, mode, "torch", str(TIMEOUT_S)], 2)
     try:
-        out0 = procs[0].communicate(timeout=180)[0]
+        code = ranks[0].wait(time.monotonic() + 180)
         ended = time.time()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-    return procs[0].returncode, ended, out0, procs[1].communicate(timeout=60)[0]
+        for rank in ranks:
+            rank.kill()
+    assert code is not None, f"rank 0 ({mode}) did not end within 180 s"
+    return code, ended, ranks[0].text(), ranks[1].text()
 
 
 def run_mpiexec(mode: str) -> tuple[int, float, str]:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from compare import assert_cases_match
+from compare import ACROSS_WORLDS, assert_cases_match
 from ranks import TIMEOUT_S, free_port, launcher_env, run_cli, run_in_group, run_ranks
 
 HERE = os.path.dirname(__file__)
@@ -100,7 +100,7 @@ def test_reductions_run_before_backward_reaches_the_embedding(scaled):
 
 CHECKPOINT = os.path.join(HERE, "checkpoint_worker.py")
 CKPT_ENV = {**VOCAB, "CKPT_GLOBAL_BATCH": "24"}
-FP32 = dict(loss=1e-5, param=1e-5)
+FP32 = ACROSS_WORLDS["fp32"]  # resumes at another world size (compare.py)
 
 
 def train(out, world, *extra, stage=2, mode="ts"):
