@@ -2,15 +2,16 @@
 
 import deepspeed as _deepspeed
 
-from .versions import check_deepspeed_version
+from ds_tensorshard.versions import check_deepspeed_version
 
 check_deepspeed_version(_deepspeed.__version__)
 
-from .config import TensorShardConfig, TensorShardConfigError  # noqa: E402
-from .engine_hooks import install, installed  # noqa: E402
-from .many import initialize_many, step_many  # noqa: E402
-from .optimizer import TensorShardOptimizer  # noqa: E402
-from .plan import OwnershipPlan, plan_ownership  # noqa: E402
+from ds_tensorshard.config import TensorShardConfig  # noqa: E402
+from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
+from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
+from ds_tensorshard.errors import CheckpointError, TensorShardConfigError  # noqa: E402
+from ds_tensorshard.many import initialize_many, step_many  # noqa: E402
+from ds_tensorshard.optimizer import TensorShardOptimizer  # noqa: E402
 
 install()
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TensorShardConfig",
     "TensorShardConfigError",
+    "CheckpointError",
     "TensorShardOptimizer",
     "OwnershipPlan",
     "plan_ownership",

@@ -12,12 +12,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ds_tensorshard.errors import TensorShardConfigError
+
 BLOCK = "tensorshard"
 DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in flight cost little memory
-
-
-class TensorShardConfigError(ValueError):
-    """A DeepSpeed config that ds_tensorshard cannot run; the message names the key."""
 
 
 class TensorShardConfig(BaseModel):
@@ -30,7 +28,7 @@ class TensorShardConfig(BaseModel):
 
     comm_backend: Literal["torch", "mpi"] = "torch"
     """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU),
-    ``"mpi"`` = mpi4py (uneven Reduce_scatter/Allgatherv, no padding)."""
+    ``"mpi"`` = mpi4py (one Ireduce to and one Ibcast from each owner, no padding)."""
 
     split_tensors: Literal["auto", "never"] = "auto"
     """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest
@@ -108,7 +106,7 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
                 "set reduce_scatter to false or remove it"
             )
     if (param_dict.get("fp16") or {}).get("enabled") is True:
-        from .versions import fp16_refusal, installed_release
+        from ds_tensorshard.versions import fp16_refusal, installed_release
 
         release = installed_release()
         why = fp16_refusal(stage, release)
@@ -119,7 +117,7 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
                 f"{why}, so there is no stock run to match; use bf16 or fp32, or deepspeed >= 0.18.3"
                 + (" (or stage 1)" if stage_1_works else "")
             )
-    from .inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
+    from ds_tensorshard.datapath.inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
 
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
@@ -192,7 +190,7 @@ MAPPED_ZERO_KEYS = {
     "reduce_scatter": "at stage 2, true divides gradients by the world size before the sum, as stock does",
 }
 IGNORED_ZERO_KEYS = {
-    "allgather_bucket_size": "parameters are gathered with the reduce buckets",
+    "allgather_bucket_size": "updated parameters are broadcast in the reduce buckets",
     "overlap_comm": "reductions always start from gradient hooks during backward",
     "contiguous_gradients": "buckets are packed contiguously anyway",
     "round_robin_gradients": "ownership comes from the balanced plan",

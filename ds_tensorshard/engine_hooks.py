@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
-from .checkpoint_hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
-from .config import TensorShardConfig, validate_engine_config, validate_parallel_layout
-from .inner_optimizer import check_supported
+from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
+from ds_tensorshard.config import TensorShardConfig, validate_engine_config, validate_parallel_layout
+from ds_tensorshard.datapath.inner_optimizer import check_supported
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -47,7 +47,7 @@ def _wrap_init(original):
                     bound.arguments.get("model"), bound.arguments.get("mpu"), config_class._param_dict
                 )
             if self._tensorshard_config is not None and self._tensorshard_config.comm_backend == "mpi":
-                from .mpi_comm import check_mpi_world
+                from ds_tensorshard.transports.mpi_comm import check_mpi_world
 
                 check_mpi_world()
         original(self, *args, **kwargs)
@@ -72,7 +72,7 @@ def _wrap_configure_zero(original):
         config = _enabled_config(self)
         if config is None:
             return original(self, optimizer)
-        from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
+        from ds_tensorshard.optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
 
         return TensorShardOptimizer(
             optimizer, engine=self, config=config, joint_plan=getattr(self.module, JOINT_PLAN_ATTRIBUTE, None)

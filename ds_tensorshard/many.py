@@ -2,7 +2,7 @@
 
 ``initialize_many`` plans the union of all models' tensors at once, so per-model imbalances do not
 add up on one rank, and its engines leave their last gradient reductions running into the next
-model's backward; ``step_many`` steps the engines as one, each model's all-gathers running while
+model's backward; ``step_many`` steps the engines as one, each model's broadcasts running while
 the next model's owned tensors are updated.
 
 Example (every rank runs the same lines)::
@@ -24,8 +24,8 @@ from typing import Any
 import deepspeed
 from deepspeed import comm as dist
 
-from .optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
-from .plan import SplitMode, plan_ownership
+from ds_tensorshard.datapath.plan import SplitMode, plan_ownership
+from ds_tensorshard.optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
 
 
 def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
@@ -71,7 +71,7 @@ def _split_mode(item: Mapping[str, Any]) -> SplitMode:
 def step_many(engines: Sequence[Any]) -> None:
     """``engine.step()`` for every engine, as one step: first every sharded engine at its accumulation
     boundary completes its reductions and global norm, then each model's owned tensors are updated while
-    the previous model's all-gathers run; all gathers are complete on return. Same result as stepping
+    the previous model's broadcasts run; all broadcasts are complete on return. Same result as stepping
     the engines one by one."""
     sharded = [
         e.optimizer
@@ -80,12 +80,12 @@ def step_many(engines: Sequence[Any]) -> None:
     ]
     for optimizer in sharded:
         optimizer.prepare_step()
-        optimizer.overlap.defer_gather = True
+        optimizer.overlap.defer_broadcast = True
     try:
         for engine in engines:
             engine.step()
     finally:
         for optimizer in sharded:
-            optimizer.overlap.defer_gather = False
+            optimizer.overlap.defer_broadcast = False
         for optimizer in sharded:
-            optimizer.finish_gather()
+            optimizer.finish_broadcast()

@@ -34,14 +34,12 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils import logger
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
-from .buckets import Bucket, build_buckets
-from .checkpoint_files import CheckpointError
-from .checkpoint_sources import CheckpointSource
-from .comm import TorchComm, Transport
-from .config import TensorShardConfig, TensorShardConfigError, bucket_numel, describe_zero_mapping
-from .deadline import StepMismatch, wait_or_fail
-from .gather import Gather, gather_buckets
-from .inner_optimizer import (
+from ds_tensorshard.checkpoints.rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
+from ds_tensorshard.checkpoints.sources import CheckpointSource
+from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
+from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
+from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.inner_optimizer import (
     check_supported,
     keep_owned_state,
     newton_schulz_work,
@@ -49,11 +47,14 @@ from .inner_optimizer import (
     step_value,
     whole_matrix_params,
 )
-from .plan import Block, OwnershipPlan, plan_ownership
-from .rank_file import RankFile, loss_scaler_fields, restore_loss_scaler
-from .reduce import Averaging, OverlappedReducer
-from .update import OwnedShard
-from .versions import installed_release
+from ds_tensorshard.datapath.plan import Block, OwnershipPlan, plan_ownership
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.datapath.update import OwnedShard
+from ds_tensorshard.errors import CheckpointError, StepMismatch, TensorShardConfigError
+from ds_tensorshard.transports.deadline import wait_or_fail
+from ds_tensorshard.transports.protocol import Transport
+from ds_tensorshard.transports.torch_comm import TorchComm
+from ds_tensorshard.versions import installed_release
 
 STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
 JOINT_PLAN_ATTRIBUTE = "_tensorshard_joint_plan"  # set on a model by initialize_many while its engine is built
@@ -73,8 +74,8 @@ class Overlap:
     (:func:`~ds_tensorshard.initialize_many`, :func:`~ds_tensorshard.step_many`)."""
 
     reduce_in_background: bool  # engines of initialize_many: the last reductions of a backward keep running
-    defer_gather: bool = False  # set by step_many: step() starts the gathers, finish_gather() completes them
-    pending_gather: Gather | None = None  # the gathers a deferred step started
+    defer_broadcast: bool = False  # set by step_many: step() starts the gathers, finish_broadcast() completes them
+    pending_broadcast: Broadcast | None = None  # the gathers a deferred step started
     prepared: Prepared | None = None  # prepare_step() ran (step_many runs it for every engine first)
 
 
@@ -84,7 +85,7 @@ class TensorShardOptimizer(ZeROOptimizer):
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
     made out of the ``optimizer`` block or the client optimizer. ``zero_optimization.stage`` 1
     reduces at the accumulation boundary; stage 2 reduces every micro-step and keeps only owned
-    gradients. ``plan`` is the :class:`~ds_tensorshard.plan.OwnershipPlan`: ``joint_plan`` when the
+    gradients. ``plan`` is the :class:`~ds_tensorshard.datapath.plan.OwnershipPlan`: ``joint_plan`` when the
     engine is one of :func:`~ds_tensorshard.initialize_many`'s, else one made for this model alone.
     """
 
@@ -367,16 +368,16 @@ class TensorShardOptimizer(ZeROOptimizer):
             self.shard.scale_grads(1.0 / prepared.combined_scale)
         self.shard.step()
         self.shard.drop_grads()
-        if self.overlap.defer_gather:
-            self.overlap.pending_gather = Gather(self.buckets, self.comm, self.reducer.describe)
+        if self.overlap.defer_broadcast:
+            self.overlap.pending_broadcast = Broadcast(self.buckets, self.comm, self.reducer.describe)
         else:
-            gather_buckets(self.buckets, self.comm, self.reducer.describe)
+            broadcast_buckets(self.buckets, self.comm, self.reducer.describe)
 
-    def finish_gather(self) -> None:
+    def finish_broadcast(self) -> None:
         """Complete the all-gathers a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
-        if self.overlap.pending_gather is not None:
-            self.overlap.pending_gather.finish()
-            self.overlap.pending_gather = None
+        if self.overlap.pending_broadcast is not None:
+            self.overlap.pending_broadcast.finish()
+            self.overlap.pending_broadcast = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (to None, or to zeros with ``set_to_none=False``), as stock does; the
@@ -406,7 +407,7 @@ class TensorShardOptimizer(ZeROOptimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's file (a :class:`~ds_tensorshard.rank_file.RankFile`): whole owned tensors keyed by
+        """This rank's file (a :class:`~ds_tensorshard.checkpoints.rank_file.RankFile`): whole owned tensors keyed by
         name, plus what every rank shares."""
         tensors = {}
         for param, master in self.shard.masters.items():
@@ -465,7 +466,7 @@ class TensorShardOptimizer(ZeROOptimizer):
         """Write the masters into the model's tensors on every rank (after a universal-checkpoint load)."""
         for param, master in self.shard.masters.items():
             param.data.copy_(master)
-        gather_buckets(self.buckets, self.comm)
+        broadcast_buckets(self.buckets, self.comm)
 
     def load_state_dict(
         self,
@@ -521,7 +522,7 @@ def _owned_part(saved: torch.Tensor, param: torch.nn.Parameter, block: Block, ma
 
 def _transport(backend: str, group: Any, timeout_s: float) -> Transport:
     if backend == "mpi":
-        from .mpi_comm import MpiComm
+        from ds_tensorshard.transports.mpi_comm import MpiComm
 
         return MpiComm(group, timeout_s)
     return TorchComm(group, timeout_s)

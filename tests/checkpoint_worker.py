@@ -27,8 +27,8 @@ from optimizers import setup  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
-from ds_tensorshard.checkpoint_files import CheckpointError  # noqa: E402
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.errors import CheckpointError  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
 

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))

@@ -19,7 +19,7 @@ from equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 # scenario -> (dtype, stage, gradient accumulation steps, optimizer steps, top-level keys, zero_optimization keys)
 SCENARIOS = {

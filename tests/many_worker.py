@@ -20,7 +20,7 @@ from equivalence_worker import GAS, SEQ, STEPS, VOCAB, batch, ds_config, param_g
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 # (dtype, ZeRO stage, shape): stage 1 reduces only at the accumulation boundary, stage 2 every micro-step
 MODELS = [
@@ -47,14 +47,14 @@ def main() -> None:
     else:
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
     losses = [[] for _ in engines]
-    gathers_running = []  # step_many: was the first model's all-gather in flight while the second updated?
+    broadcasts_running = []  # step_many: was the first model's all-gather in flight while the second updated?
     if mode.startswith("step_many"):
         first, second = engines[0].optimizer, engines[1].optimizer
         update = second.shard.step
 
         def observed_update() -> None:
-            gathers_running.append(
-                first.overlap.pending_gather is not None and bool(first.overlap.pending_gather.in_flight)
+            broadcasts_running.append(
+                first.overlap.pending_broadcast is not None and bool(first.overlap.pending_broadcast.in_flight)
             )
             update()
 
@@ -80,7 +80,7 @@ def main() -> None:
         plans = [e.optimizer.plan for e in engines]
         result["same_plan"] = all(plan is plans[0] for plan in plans)
         result["left_in_flight"] = left_in_flight
-        result["gathers_running"] = gathers_running
+        result["broadcasts_running"] = broadcasts_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
         result["owners"] = [
             [b.rank for p in e.module.parameters() if p.requires_grad for b in plans[0].blocks_of(p)] for e in engines
@@ -111,7 +111,7 @@ def assert_overlapped(joint: dict) -> None:
     """Reductions were left running after every reducing backward, and the second model was updated
     while the first one's all-gathers were in flight; the exact results show all of them completed."""
     assert all(count > 0 for count in joint["left_in_flight"])
-    assert joint["gathers_running"] and all(joint["gathers_running"])
+    assert joint["broadcasts_running"] and all(joint["broadcasts_running"])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from optimizers import setup  # noqa: E402
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 
 def state_numel(optimizer) -> int:

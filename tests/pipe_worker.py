@@ -23,7 +23,7 @@ from equivalence_worker import SEQ, VOCAB, ds_config  # noqa: E402
 from tiny_gpt import Block  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 GLOBAL_BATCH, MICRO, STEPS, WIDTH, STAGES = 12, 2, 6, 32, 2
 

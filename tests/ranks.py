@@ -140,8 +140,10 @@ def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) 
 
 
 def run_cli(*args: Any, timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``ds-tensorshard ARGS`` (as ``python -m ds_tensorshard.cli``) through :func:`run_in_group`."""
-    return run_in_group([sys.executable, "-m", "ds_tensorshard.cli", *map(str, args)], timeout=timeout, **kwargs)
+    """``ds-tensorshard ARGS`` (as ``python -m ds_tensorshard.commands.cli``) through :func:`run_in_group`."""
+    return run_in_group(
+        [sys.executable, "-m", "ds_tensorshard.commands.cli", *map(str, args)], timeout=timeout, **kwargs
+    )
 
 
 def launcher_env() -> dict:

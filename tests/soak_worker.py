@@ -20,7 +20,7 @@ from equivalence_worker import SEQ, VOCAB, batch, ds_config, param_groups  # noq
 from tiny_gpt import TinyGPT  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 GAS, SAVE_EVERY, RSS_EVERY = 2, 500, 100
 

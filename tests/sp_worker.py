@@ -22,7 +22,7 @@ from deepspeed.sequence.layer import DistributedAttention  # noqa: E402
 from equivalence_worker import ds_config  # noqa: E402
 
 import ds_tensorshard  # noqa: E402, F401  (registers the plugin)
-from ds_tensorshard.comm import close_process_group  # noqa: E402
+from ds_tensorshard.transports.torch_comm import close_process_group  # noqa: E402
 
 VOCAB, SEQ, WIDTH, HEADS, MICRO, GAS, STEPS = 64, 16, 32, 4, 2, 2, 5
 

@@ -17,7 +17,7 @@ TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--w
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     return run_in_group(
-        [sys.executable, "-m", "ds_tensorshard.cli", "bench", *args], env=launcher_env(), timeout=TIMEOUT_S
+        [sys.executable, "-m", "ds_tensorshard.commands.cli", "bench", *args], env=launcher_env(), timeout=TIMEOUT_S
     )
 
 
@@ -100,7 +100,7 @@ def test_bench_killed_mid_way_leaves_no_process_behind(tmp_path, signum):
         [
             sys.executable,
             "-m",
-            "ds_tensorshard.cli",
+            "ds_tensorshard.commands.cli",
             "bench",
             *TINY,
             "--steps",

@@ -5,9 +5,9 @@ import deepspeed
 import pytest
 import torch
 
-import ds_tensorshard.comm
-from ds_tensorshard.buckets import build_buckets
-from ds_tensorshard.plan import Block, plan_ownership
+import ds_tensorshard.transports.torch_comm
+from ds_tensorshard.datapath.buckets import build_buckets
+from ds_tensorshard.datapath.plan import Block, plan_ownership
 
 
 def params(*shapes, dtype=torch.float32):
@@ -87,13 +87,13 @@ def test_pack_and_views_roundtrip_with_missing_gradients():
 def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monkeypatch):
     calls = {"reduce": 0, "broadcast": 0}
     for name in calls:
-        original = getattr(ds_tensorshard.comm.dist, name)
+        original = getattr(ds_tensorshard.transports.torch_comm.dist, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(ds_tensorshard.comm.dist, name, counted)
+        monkeypatch.setattr(ds_tensorshard.transports.torch_comm.dist, name, counted)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])  # 12 tensors, 432 elements
     config = {
         "train_batch_size": 2,

@@ -21,8 +21,9 @@ from ranks import run_cli, run_in_group, run_ranks, run_until_one_dies
 from tiny_gpt import TinyGPT
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
-from ds_tensorshard.rank_file import FORMAT_KEY
+from ds_tensorshard.checkpoints.files import file_digest
+from ds_tensorshard.checkpoints.rank_file import FORMAT_KEY
+from ds_tensorshard.errors import CheckpointError
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
 FP32, BF16 = ACROSS_WORLDS["fp32"], ACROSS_WORLDS["bf16"]  # resumes at another world size (compare.py)
@@ -159,7 +160,7 @@ def engine(single_rank_world):
 def laid_out_for_two(single_rank_world, tmp_path_factory):
     """A ds_tensorshard checkpoint with two ranks' files, made in this process: one rank trains and saves,
     and the converter lays the files out for two ranks (the refusals need a rank 1 to break)."""
-    from ds_tensorshard.convert import convert
+    from ds_tensorshard.checkpoints.convert import convert
 
     d = tmp_path_factory.mktemp("two")
     torch.manual_seed(5)

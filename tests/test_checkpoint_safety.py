@@ -19,8 +19,9 @@ from ranks import run_in_group
 from tiny_gpt import TinyGPT
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.checkpoint_files import CheckpointError, file_digest
-from ds_tensorshard.rank_file import RankFile
+from ds_tensorshard.checkpoints.files import file_digest
+from ds_tensorshard.checkpoints.rank_file import RankFile
+from ds_tensorshard.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -87,7 +88,16 @@ def test_payload_is_refused_by_convert_checkpoint(saved, tmp_path):
     plant(saved / "t" / RANK_FILE, "loss_scaler", CreatesFile(str(marker)))
     for to, dst in (("fp32", tmp_path / "w.pt"), ("zero", tmp_path / "z"), ("tensorshard", tmp_path / "ts")):
         proc = run_in_group(
-            [sys.executable, "-m", "ds_tensorshard.cli", "convert-checkpoint", str(saved), str(dst), "--to", to],
+            [
+                sys.executable,
+                "-m",
+                "ds_tensorshard.commands.cli",
+                "convert-checkpoint",
+                str(saved),
+                str(dst),
+                "--to",
+                to,
+            ],
             timeout=300,
         )
         assert proc.returncode == 2, proc.stdout + proc.stderr

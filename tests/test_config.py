@@ -6,8 +6,8 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import ds_tensorshard
-from ds_tensorshard.config import TensorShardConfigError
-from ds_tensorshard.versions import UnsupportedDeepSpeedVersion, check_deepspeed_version, fp16_refusal
+from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion
+from ds_tensorshard.versions import check_deepspeed_version, fp16_refusal
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 

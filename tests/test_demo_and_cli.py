@@ -7,7 +7,7 @@ import re
 import pytest
 from ranks import run_deepspeed_launcher, run_ranks
 
-from ds_tensorshard.cli import main as cli_main
+from ds_tensorshard.commands.cli import main as cli_main
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
@@ -73,7 +73,7 @@ def test_plan_cli_reports_newton_schulz_work_against_stocks_rule(capsys):
 
 
 def test_plan_cli_reads_a_hugging_face_config(tmp_path, capsys):
-    from ds_tensorshard.models import LLAMA_PRESETS
+    from ds_tensorshard.commands.models import LLAMA_PRESETS
 
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_PRESETS["llama3-8b"], "model_type": "llama"}))
     assert cli_main(["plan", "--model-config", str(tmp_path / "config.json"), "--world-size", "8", "--json"]) == 0

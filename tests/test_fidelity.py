@@ -21,7 +21,7 @@ from feature_worker import SCENARIOS
 from ranks import run_in_group, run_ranks
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.config import TensorShardConfigError
+from ds_tensorshard.errors import TensorShardConfigError
 
 HERE = os.path.dirname(__file__)
 WORLD = 3
@@ -199,8 +199,8 @@ def test_fused_torch_adamw_resumes_with_step_where_torch_puts_it(tmp_path):
 
 NORM_MEMORY = """
 import resource, sys, torch
-from ds_tensorshard import update
-from ds_tensorshard.plan import Block
+from ds_tensorshard.datapath import update
+from ds_tensorshard.datapath.plan import Block
 
 
 def shard_with_grad(numel):

@@ -116,7 +116,7 @@ def _refused(model, config, message, mpu=None):
     import deepspeed
 
     import ds_tensorshard  # noqa: F401
-    from ds_tensorshard.config import TensorShardConfigError
+    from ds_tensorshard.errors import TensorShardConfigError
 
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = {
@@ -157,7 +157,8 @@ def test_pipeline_module_with_stage_2_or_fp32_accumulation_is_refused(config, me
 @pytest.mark.usefixtures("single_rank_world")
 def test_device_mesh_sequence_parallelism_is_refused():
     # deepspeed.initialize itself cannot build a 2-way sequence mesh on one rank: the check is called directly
-    from ds_tensorshard.config import TensorShardConfigError, validate_parallel_layout
+    from ds_tensorshard.config import validate_parallel_layout
+    from ds_tensorshard.errors import TensorShardConfigError
 
     config = {
         "train_batch_size": 2,

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_tensorshard.models import preset_shapes
-from ds_tensorshard.plan import TARGET_IMBALANCE, plan_ownership
+from ds_tensorshard.commands.models import preset_shapes
+from ds_tensorshard.datapath.plan import TARGET_IMBALANCE, plan_ownership
 
 sizes = st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=60)
 worlds = st.integers(min_value=1, max_value=9)
@@ -140,7 +140,7 @@ def test_presets_are_balanced_at_every_world_size_up_to_1024(preset):
 
 
 def test_newton_schulz_work_is_balanced_first_and_elements_evened_out_around_it():
-    from ds_tensorshard.inner_optimizer import newton_schulz_work
+    from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 
     matrices = [(f"m{i}", (64, 256)) for i in range(6)] + [(f"n{i}", (256, 256)) for i in range(3)]
     rest = [("embed", (1000, 64)), *[(f"v{i}", (64,)) for i in range(10)]]

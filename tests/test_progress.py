@@ -20,7 +20,7 @@ from tiny_gpt import TinyGPT
 
 BIN = os.path.dirname(sys.executable)
 BAR_SCRIPT = (
-    "from ds_tensorshard.progress import bar\n"
+    "from ds_tensorshard.commands.progress import bar\n"
     "with bar(3, 'work', 'step') as b:\n"
     "    [b.update(1) for _ in range(3)]\n"
     "print('finished')\n"

@@ -1,4 +1,4 @@
-"""``ds-tensorshard report``: in process (ds_tensorshard.report) and through the command line."""
+"""``ds-tensorshard report``: in process (ds_tensorshard.commands.report) and through the command line."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from ranks import launcher_env
 
-from ds_tensorshard import report
-from ds_tensorshard.config import TensorShardConfigError
-from ds_tensorshard.models import preset_shapes
-from ds_tensorshard.plan_report import plan_report
+from ds_tensorshard.commands import report
+from ds_tensorshard.commands.models import preset_shapes
+from ds_tensorshard.commands.plan_report import plan_report
+from ds_tensorshard.errors import TensorShardConfigError
 
 CLI = os.path.join(os.path.dirname(sys.executable), "ds-tensorshard")
 GOOD = {

@@ -137,7 +137,7 @@ def split_checkpoints(tmp_path_factory):
 
 
 def test_split_checkpoint_is_split_on_disk(split_checkpoints):
-    from ds_tensorshard.checkpoint_files import load
+    from ds_tensorshard.checkpoints.files import load
 
     folder = split_checkpoints["dir"] / "c4" / "step3"
     entries = [

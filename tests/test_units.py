@@ -9,14 +9,15 @@ import pickle
 import pytest
 import torch
 
-from ds_tensorshard.buckets import build_buckets
-from ds_tensorshard.checkpoint_files import CheckpointError, load, save_atomic, verify
-from ds_tensorshard.comm import Pending
-from ds_tensorshard.deadline import CollectiveTimeout, wait_with_deadline
-from ds_tensorshard.gather import gather_buckets
-from ds_tensorshard.plan import Block, plan_ownership
-from ds_tensorshard.reduce import Averaging, OverlappedReducer, start_reduce
-from ds_tensorshard.update import OwnedShard
+from ds_tensorshard.checkpoints.files import load, save_atomic, verify
+from ds_tensorshard.datapath.broadcast import broadcast_buckets
+from ds_tensorshard.datapath.buckets import build_buckets
+from ds_tensorshard.datapath.plan import Block, plan_ownership
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, start_reduce
+from ds_tensorshard.datapath.update import OwnedShard
+from ds_tensorshard.errors import CheckpointError, CollectiveTimeout
+from ds_tensorshard.transports.deadline import wait_with_deadline
+from ds_tensorshard.transports.protocol import Pending
 
 
 class PeerComm:
@@ -102,7 +103,7 @@ def test_owned_shard_accumulates_pieces_clips_steps_and_writes_back():
     shard = OwnedShard(optimizer, [[(w, Block(0, 2, 6))]], torch.float32, torch.device("cpu"))  # rows 1-2
     master = shard.masters[w]
     assert master.shape == (2, 2) and master.data_ptr() == w.data_ptr() + 2 * 4  # a view: no second copy
-    from ds_tensorshard.buckets import Piece
+    from ds_tensorshard.datapath.buckets import Piece
 
     shard.accumulate(Piece(w, 2, 4), torch.ones(2))
     shard.accumulate(Piece(w, 4, 6), torch.full((2,), 3.0))
@@ -121,14 +122,14 @@ def test_gather_writes_the_other_owners_pieces_and_sends_its_own():
     buckets = build_buckets([a, b], lambda p: (Block(owners[id(p)], 0, p.numel()),), bucket_numel=4)
     comm = PeerComm(rank=0, broadcast_value=-1.0)
     ours = a.detach().clone()
-    gather_buckets(buckets, comm)
+    broadcast_buckets(buckets, comm)
     assert torch.equal(a.detach(), ours) and torch.equal(b.detach(), torch.full((5,), -1.0))
     assert sum(n for kind, owner, n in comm.calls if kind == "broadcast") == 8
 
 
 @pytest.mark.usefixtures("single_rank_world")
 def test_torch_transport_at_one_rank_and_its_deadline():
-    from ds_tensorshard.comm import TorchComm
+    from ds_tensorshard.transports.torch_comm import TorchComm
 
     comm = TorchComm(None, timeout_s=5.0)
     t = torch.arange(4.0)

@@ -5,6 +5,6 @@ under ``mpiexec``. The worker wraps torch and DeepSpeed internals to time and co
 of the data path's modules.
 """
 
-from .runner import add_arguments, run
+from ds_tensorshard.bench.runner import add_arguments, run
 
 __all__ = ["add_arguments", "run"]

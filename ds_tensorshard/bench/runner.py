@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
+from ds_tensorshard.bench.worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 
 LABELS = {
     "stage0": "stock stage 0",
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     raw_dir = os.path.join(args.out, "raw")
     os.makedirs(raw_dir, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    from ..progress import bar as progress_bar
+    from ds_tensorshard.commands.progress import bar as progress_bar
 
     results = []
     with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal

@@ -1,6 +1,6 @@
 """One rank of one benchmark configuration (started by ``ds-tensorshard bench`` under mpiexec).
 
-Trains the GPT of :mod:`ds_tensorshard.models` for ``--steps`` timed steps after ``--warmup`` steps and
+Trains the GPT of :mod:`ds_tensorshard.commands.models` for ``--steps`` timed steps after ``--warmup`` steps and
 writes ``OUT/CONFIG.rankR.json``: per-step wall times split into forward+backward, reduce (time
 spent after backward finishing gradient reduction; reduction overlapped with backward counts in
 forward+backward), optimizer and gather, plus peak RSS, optimizer-state bytes and the bytes this
@@ -73,7 +73,7 @@ def _count_torch_collectives() -> None:
 
 
 def _count_mpi_collectives() -> None:
-    from .. import mpi_comm
+    from ds_tensorshard.transports import mpi_comm
 
     for name, kind in (("start_reduce", "reduce"), ("start_broadcast", "broadcast"), ("all_reduce_sum", "all_reduce")):
         original = getattr(mpi_comm.MpiComm, name)
@@ -276,7 +276,7 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
     orthogonalizes each matrix once; stock ZeRO orthogonalizes every matrix its flat slice touches (each
     Muon param group flattened and split evenly); stage 0 orthogonalizes everything on every rank."""
     import ds_tensorshard
-    from ds_tensorshard.inner_optimizer import newton_schulz_work
+    from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 
     optimizer = engine.optimizer
     if isinstance(optimizer, ds_tensorshard.TensorShardOptimizer):
@@ -313,9 +313,9 @@ def main() -> None:
     import deepspeed
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from ds_tensorshard import gather
-    from ds_tensorshard.comm import close_process_group
-    from ds_tensorshard.models import GPT, synthetic_batch
+    from ds_tensorshard.commands.models import GPT, synthetic_batch
+    from ds_tensorshard.datapath import broadcast
+    from ds_tensorshard.transports.torch_comm import close_process_group
 
     _count_mpi_collectives()
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
@@ -329,7 +329,7 @@ def main() -> None:
         shapes.append(second_model_shape(args.width, args.layers))
     models = [GPT(vocab=args.vocab, seq=args.seq, **shape) for shape in shapes]
     clock = Clock()
-    clock.wrap(gather.Gather, "finish", "gather")
+    clock.wrap(broadcast.Broadcast, "finish", "gather")
     clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
     if args.config == "ddp_zero":
         setup = build_ddp(models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0], world, clock)

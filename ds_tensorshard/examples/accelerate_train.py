@@ -75,7 +75,7 @@ def main() -> None:
     if accelerator.is_main_process:
         report(losses, model.optimizer, model.module, args.results)
     accelerator.wait_for_everyone()
-    from ds_tensorshard.comm import close_process_group
+    from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()
 

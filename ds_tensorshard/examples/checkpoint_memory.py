@@ -20,8 +20,8 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.models import PRESETS, build, synthetic_batch
+from ds_tensorshard.commands.models import PRESETS, build, synthetic_batch
+from ds_tensorshard.transports.torch_comm import close_process_group
 
 
 def peak_rss_mib() -> float:

@@ -18,8 +18,9 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
-from ds_tensorshard.comm import TorchComm, Transport, close_process_group
-from ds_tensorshard.mpi_comm import MpiComm
+from ds_tensorshard.transports.mpi_comm import MpiComm
+from ds_tensorshard.transports.protocol import Transport
+from ds_tensorshard.transports.torch_comm import TorchComm, close_process_group
 
 
 def time_once(comm: Transport, flat: torch.Tensor, counts: list[int]) -> float:

@@ -95,7 +95,7 @@ def main() -> None:
     if trainer.is_world_process_zero():
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
         report(losses, engine.optimizer, engine.module, args.results)
-    from ds_tensorshard.comm import close_process_group
+    from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()
 

@@ -18,11 +18,11 @@ from typing import NoReturn
 
 import torch
 
-from ds_tensorshard.buckets import build_buckets
-from ds_tensorshard.comm import Pending
-from ds_tensorshard.gather import Gather
-from ds_tensorshard.plan import plan_ownership
-from ds_tensorshard.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.datapath.broadcast import Broadcast
+from ds_tensorshard.datapath.buckets import build_buckets
+from ds_tensorshard.datapath.plan import plan_ownership
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.transports.protocol import Pending
 
 
 class InstantComm:
@@ -82,7 +82,7 @@ def measure(tensors: list[tuple[str, tuple[int, ...]]], world_size: int, bucket_
         for param in reversed(params):
             reducer.gradient_ready(param)
         reducer.finish()
-        Gather(buckets, comm).finish()
+        Broadcast(buckets, comm).finish()
         times.append(time.perf_counter() - started)
     return {
         "world_size": world_size,

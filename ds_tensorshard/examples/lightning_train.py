@@ -108,7 +108,7 @@ def main() -> None:
     losses = {step: trainer.strategy.reduce(value, reduce_op="mean").item() for step, value in sorted(per_step.items())}
     if trainer.is_global_zero:
         report(losses, engine.optimizer, engine.module, args.results)
-    from ds_tensorshard.comm import close_process_group
+    from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()
 

@@ -16,9 +16,9 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard
-from ds_tensorshard import progress
-from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.models import PRESETS, build, synthetic_batch
+from ds_tensorshard.commands import progress
+from ds_tensorshard.commands.models import PRESETS, build, synthetic_batch
+from ds_tensorshard.transports.torch_comm import close_process_group
 
 
 def optimizer_state_bytes(optimizer, model) -> int:

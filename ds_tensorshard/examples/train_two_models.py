@@ -17,9 +17,9 @@ import torch
 from deepspeed import comm as dist
 
 import ds_tensorshard
-from ds_tensorshard.comm import close_process_group
-from ds_tensorshard.models import build, synthetic_batch
-from ds_tensorshard.plan import plan_ownership
+from ds_tensorshard.commands.models import build, synthetic_batch
+from ds_tensorshard.datapath.plan import plan_ownership
+from ds_tensorshard.transports.torch_comm import close_process_group
 
 SHAPES = {
     "large": dict(width=256, layers=6, vocab=512, seq=64, heads=4),

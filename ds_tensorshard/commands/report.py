@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .plan import SplitMode
+    from ds_tensorshard.datapath.plan import SplitMode
 
 MPI_PROBE_TIMEOUT_S = 60
 STALE_LOCK_AGE_S = 1800  # no JIT build of a DeepSpeed op takes this long, even on 2 cores
@@ -54,8 +54,9 @@ def versions() -> dict[str, Any]:
     import deepspeed
     import torch
 
-    from . import __version__
-    from .versions import UnsupportedDeepSpeedVersion, check_deepspeed_version
+    from ds_tensorshard import __version__
+    from ds_tensorshard.errors import UnsupportedDeepSpeedVersion
+    from ds_tensorshard.versions import check_deepspeed_version
 
     try:
         check_deepspeed_version(deepspeed.__version__)
@@ -271,7 +272,8 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
     DeepSpeed checks train_batch_size = micro batch x accumulation x world size; out of a launch it sees one
     rank, so that check is made here at ``world_size`` (not at all without one: a note says so) and DeepSpeed
     is given the per-rank batch sizes."""
-    from .config import TensorShardConfigError, validate_engine_config
+    from ds_tensorshard.config import validate_engine_config
+    from ds_tensorshard.errors import TensorShardConfigError
 
     result: dict[str, Any] = {
         "auto_keys": _auto_keys(config),
@@ -352,8 +354,8 @@ def gather(
         if cfg.get("comm_backend") == "mpi" and not report["transports"]["mpi"].startswith("yes"):
             cfg["warning"] = "comm_backend 'mpi' cannot run here: " + report["transports"]["mpi"]
     if world_sizes and shapes is not None:
-        from .config import DEFAULT_BUCKET_NUMEL, TensorShardConfig, bucket_numel
-        from .plan_report import plan_report
+        from ds_tensorshard.commands.plan_report import plan_report
+        from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL, TensorShardConfig, bucket_numel
 
         if config is not None and report["config"]["accepted"] and report["config"].get("enabled"):
             split = report["config"]["split_tensors"]
@@ -433,7 +435,7 @@ def format_text(report: Mapping[str, Any]) -> list[str]:
         if cfg.get("warning"):
             lines.append(f"  warning        {cfg['warning']}")
     if report.get("plans"):
-        from .plan_report import format_report
+        from ds_tensorshard.commands.plan_report import format_report
 
         lines.append("-" * 60)
         for plan in report["plans"]:
@@ -444,7 +446,7 @@ def format_text(report: Mapping[str, Any]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .models import PRESET_NAMES
+    from ds_tensorshard.commands.models import PRESET_NAMES
 
     parser.add_argument("--config", help="a ds_config JSON: would deepspeed.initialize accept it?")
     parser.add_argument(
@@ -469,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     """The ``report`` subcommand; exit status 1 when the config is refused or a build lock is stale."""
     shapes = None
     if args.world_size:
-        from .cli import _model_shapes
+        from ds_tensorshard.commands.cli import _model_shapes
 
         for key in ("vocab", "seq", "width", "layers", "heads"):
             setattr(args, key, getattr(args, key, None))

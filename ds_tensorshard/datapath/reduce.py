@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .buckets import Bucket
-from .comm import Pending, Transport
-from .deadline import wait_or_fail
+from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.transports.deadline import wait_or_fail
+from ds_tensorshard.transports.protocol import Pending, Transport
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from .buckets import Piece
-from .plan import Block
+from ds_tensorshard.datapath.buckets import Piece
+from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
 

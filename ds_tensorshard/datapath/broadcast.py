@@ -1,4 +1,4 @@
-"""Gather: updated parameters go from their owners back to every rank."""
+"""Broadcast: updated parameters go from their owners back to every rank."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import torch
 
-from .buckets import Bucket
-from .comm import Pending, Transport
-from .deadline import wait_or_fail
-from .reduce import IN_FLIGHT
+from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.datapath.reduce import IN_FLIGHT
+from ds_tensorshard.transports.deadline import wait_or_fail
+from ds_tensorshard.transports.protocol import Pending, Transport
 
 
-class Gather:
+class Broadcast:
     """One broadcast per owner present in a bucket, at most ``IN_FLIGHT`` buckets under way, the first
     ones started on creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
 
@@ -52,10 +52,10 @@ class Gather:
             self._fill()
 
 
-def gather_buckets(
+def broadcast_buckets(
     buckets: list[Bucket],
     comm: Transport,
     describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
 ) -> None:
     """Every rank receives every owner's updated tensors, two buckets in flight at a time."""
-    Gather(buckets, comm, describe).finish()
+    Broadcast(buckets, comm, describe).finish()

@@ -8,19 +8,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .models import PRESET_NAMES
+from ds_tensorshard.commands.models import PRESET_NAMES
 
 GPT_SIZE_KEYS = ("vocab", "seq", "width", "layers", "heads")
 
 
 def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]:
     if args.checkpoint:
-        from .checkpoint_sources import open_checkpoint
-        from .convert import resolve
+        from ds_tensorshard.checkpoints.convert import resolve
+        from ds_tensorshard.checkpoints.sources import open_checkpoint
 
         source = open_checkpoint(resolve(args.checkpoint, args.tag)[0])
         return [(name, tuple(shape)) for name, shape in source.shapes.items()]
-    from .models import hf_config_shapes, preset_shapes
+    from ds_tensorshard.commands.models import hf_config_shapes, preset_shapes
 
     if args.model_config:
         return hf_config_shapes(args.model_config)
@@ -29,8 +29,8 @@ def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .config import DEFAULT_BUCKET_NUMEL
-    from .plan_report import format_report, plan_report
+    from ds_tensorshard.commands.plan_report import format_report, plan_report
+    from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL
 
     shapes = _model_shapes(args)
     reports = [
@@ -46,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate_config(args: argparse.Namespace) -> int:
-    from .migrate import migrate_config
+    from ds_tensorshard.commands.migrate import migrate_config
 
     with open(args.input) as f:
         stock = json.load(f)
@@ -61,7 +61,7 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from ds_tensorshard.checkpoints.convert import convert
 
     written = convert(
         args.src,
@@ -120,13 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
     conv.set_defaults(func=cmd_convert_checkpoint)
 
-    from .bench import add_arguments, run
+    from ds_tensorshard.bench import add_arguments, run
 
     bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
     add_arguments(bench)
     bench.set_defaults(func=lambda args: run(args) and 0)
 
-    from . import report as report_command
+    from ds_tensorshard.commands import report as report_command
 
     report = sub.add_parser(
         "report",
@@ -149,8 +149,7 @@ def _logs_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _logs_to_stderr()
-    from .checkpoint_files import CheckpointError
-    from .config import TensorShardConfigError
+    from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
     args = build_parser().parse_args(argv)
     try:

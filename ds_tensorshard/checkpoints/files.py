@@ -21,15 +21,13 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from ds_tensorshard.errors import CheckpointError
+
 DIGEST_SUFFIX = ".sha256"
 _CHUNK = 1 << 22
 # Types stock DeepSpeed 0.19 puts in its checkpoints (loss scaler, ZeRO stage, slice addresses);
 # unpickling them only sets attributes. ds_tensorshard's own files need none of them.
 DEEPSPEED_TYPES = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
 def _fsync_dir(path: str) -> None:

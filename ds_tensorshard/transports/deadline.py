@@ -14,19 +14,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ds_tensorshard.errors import CollectiveTimeout
+
 if TYPE_CHECKING:
-    from .comm import Transport
+    from ds_tensorshard.transports.protocol import Transport
 
 STORE_PREFIX = "ds_tensorshard/timeout/"
 GRACE_S = 3.0  # how long a timed-out rank waits for the others' reports
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective of the data path did not complete within ``tensorshard.timeout_s``."""
-
-
-class StepMismatch(RuntimeError):
-    """The ranks of one data-parallel group are at different optimizer steps."""
 
 
 def _store() -> Any:

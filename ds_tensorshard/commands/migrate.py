@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .config import BLOCK, TensorShardConfigError, validate_engine_config, zero_key_treatment
+from ds_tensorshard.config import BLOCK, validate_engine_config, zero_key_treatment
+from ds_tensorshard.errors import TensorShardConfigError
 
 DROPPED_ZERO_KEYS = {
     "offload_optimizer": "offload is not supported by ds_tensorshard",

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import checkpoint_files as files
-from .checkpoint_files import CheckpointError
-from .rank_file import RankFile, loss_scaler_fields, parse_rank_file_name, rank_file_name
+from ds_tensorshard.checkpoints import files
+from ds_tensorshard.checkpoints.rank_file import RankFile, loss_scaler_fields, parse_rank_file_name, rank_file_name
+from ds_tensorshard.errors import CheckpointError
 
 CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # model-parallel rank 0's, present in every checkpoint

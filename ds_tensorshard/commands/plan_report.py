@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .buckets import Bucket, build_buckets
-from .inner_optimizer import newton_schulz_work
-from .plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
+from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 
 Shapes = Sequence[tuple[str, Sequence[int]]]
 

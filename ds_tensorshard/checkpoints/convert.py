@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from .checkpoint_files import CheckpointError, save_atomic, write_text_atomic
-from .checkpoint_sources import (
+from ds_tensorshard.checkpoints.files import save_atomic, write_text_atomic
+from ds_tensorshard.checkpoints.rank_file import RankFile, rank_file_name, restore_loss_scaler
+from ds_tensorshard.checkpoints.sources import (
     CHECKPOINT_ID_KEY,
     MODEL_STATES,
     CheckpointSource,
@@ -21,8 +22,8 @@ from .checkpoint_sources import (
     mp_ranks,
     open_checkpoint,
 )
-from .plan import plan_ownership
-from .rank_file import RankFile, rank_file_name, restore_loss_scaler
+from ds_tensorshard.datapath.plan import plan_ownership
+from ds_tensorshard.errors import CheckpointError
 
 
 def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False) -> tuple[str, str]:
@@ -233,7 +234,7 @@ def convert(
 
     With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
     Without ``progress``, a bar per model-parallel rank is shown when stdout is a terminal (nothing otherwise)."""
-    from .progress import terminal_callback
+    from ds_tensorshard.commands.progress import terminal_callback
 
     folder, tag = resolve(src, tag, universal)
     ranks = mp_ranks(folder) or [0]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScalerBase
 
-from .checkpoint_files import CheckpointError
+from ds_tensorshard.errors import CheckpointError
 
 FORMAT_KEY = "ds_tensorshard_format"
 FORMAT_VERSION = 2  # 2: loss scaler as plain fields, per-tensor state of any keys (1: a pickled scaler)

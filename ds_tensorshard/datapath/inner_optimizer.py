@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import TensorShardConfigError
+from ds_tensorshard.errors import TensorShardConfigError
 
 ELEMENTWISE = frozenset(
     {

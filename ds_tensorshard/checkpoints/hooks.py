@@ -23,10 +23,10 @@ import torch.distributed
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from .checkpoint_files import DIGEST_SUFFIX, CheckpointError, load_for_deepspeed, save_atomic, verify, write_text_atomic
-from .checkpoint_sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
-from .config import TensorShardConfigError
-from .rank_file import parse_rank_file_name
+from ds_tensorshard.checkpoints.files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
+from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
+from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
+from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
 
 def _enabled(engine) -> bool:

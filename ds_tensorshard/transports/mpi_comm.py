@@ -20,9 +20,9 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from .comm import Pending
-from .config import TensorShardConfigError
-from .deadline import CollectiveTimeout, wait_with_deadline
+from ds_tensorshard.errors import CollectiveTimeout, TensorShardConfigError
+from ds_tensorshard.transports.deadline import wait_with_deadline
+from ds_tensorshard.transports.protocol import Pending
 
 _HALF = (torch.float16, torch.bfloat16)
 _sum16_ops: dict = {}

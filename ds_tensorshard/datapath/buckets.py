@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import Block
+from ds_tensorshard.datapath.plan import Block
 
 
 @dataclass(frozen=True)

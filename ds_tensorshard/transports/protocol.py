@@ -1,0 +1,52 @@
+"""What the data path needs from a transport (:class:`Transport`), and a collective in flight (:class:`Pending`).
+
+A transport offers two collectives on one contiguous tensor, both rooted at an owner rank and
+both non-blocking (they return a :class:`Pending`, so communication runs while the caller
+computes): ``start_reduce`` sums the tensor over the ranks into the owner's copy,
+``start_broadcast`` copies the owner's tensor to every rank. The data path calls them once per
+owner present in a bucket, so a segment of any size travels without padding. Ranks are ranks
+within the data-parallel group. :class:`~ds_tensorshard.transports.torch_comm.TorchComm` and
+:class:`~ds_tensorshard.transports.mpi_comm.MpiComm` satisfy :class:`Transport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
+
+import torch
+
+
+class Pending:
+    """A collective in flight; :meth:`wait` completes it (once) and returns its result."""
+
+    def __init__(self, finish: Callable[[], Any], *keep_alive: Any) -> None:
+        self._finish, self._keep_alive, self._done, self._result = finish, keep_alive, False, None
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._result, self._done, self._keep_alive = self._finish(), True, ()
+        return self._result
+
+
+class Transport(Protocol):
+    """What the data path needs from a transport. Every wait gives up after ``timeout_s`` seconds with
+    :class:`~ds_tensorshard.errors.CollectiveTimeout`; :meth:`fail` then ends the job its own way."""
+
+    rank: int
+    world_size: int
+    global_ranks: list[int]
+    timeout_s: float
+    name: str
+
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
+        """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""
+
+    def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        """Start copying rank ``owner``'s ``tensor`` into every rank's ``tensor``."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over ranks, in place, on every rank."""
+
+    def fail(self, message: str) -> NoReturn:
+        """A collective missed its deadline: end this rank with ``message``."""
