@@ -21,14 +21,15 @@ DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in f
 class TensorShardConfig(BaseModel):
     """Keys of the top-level ``"tensorshard"`` block."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
     enabled: bool = False
     """Turn tensor-granular sharding on. Off: DeepSpeed runs exactly as stock."""
 
     comm_backend: Literal["torch", "mpi"] = "torch"
-    """Transport for the plugin's collectives: ``"torch"`` = deepspeed.comm (gloo on CPU, NCCL on GPU),
-    ``"mpi"`` = mpi4py (one Ireduce to and one Ibcast from each owner, no padding)."""
+    """Transport for the plugin's collectives: ``"torch"`` = ``deepspeed.comm`` (gloo on CPU, NCCL on GPU);
+    ``"mpi"`` = mpi4py. Both move each owner's part of a bucket with one reduce to the owner and one broadcast
+    from it: nothing is padded."""
 
     split_tensors: Literal["auto", "never"] = "auto"
     """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest

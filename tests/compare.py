@@ -22,7 +22,7 @@ TOLERANCE = {  # loss atol, norm rtol, param rtol, param atol, param mean |diff|
     "fp16": dict(loss=1e-4, norm=1e-4, rtol=0.0, atol=2e-3, mean=2e-4),
 }
 # A run resumed (or trained) at another world size sums the same gradients in another order: measured within
-# 3.2e-7 (losses) and 6.5e-6 (parameters) in fp32 (the README's checkpoint, framework and parallelism tables)
+# 3.2e-7 (losses) and 6.5e-6 (parameters) in fp32 (tables in docs/checkpoints.md, frameworks.md, parallelism.md)
 ACROSS_WORLDS = {"fp32": dict(loss=1e-5, param=1e-5), "bf16": dict(loss=1e-3, param=1e-2)}
 
 

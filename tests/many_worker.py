@@ -53,9 +53,7 @@ def main() -> None:
         update = second.shard.step
 
         def observed_update() -> None:
-            broadcasts_running.append(
-                first.overlap.pending_broadcast is not None and bool(first.overlap.pending_broadcast.in_flight)
-            )
+            broadcasts_running.append(first.pending_broadcast is not None and bool(first.pending_broadcast.in_flight))
             update()
 
         second.shard.step = observed_update

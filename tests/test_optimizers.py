@@ -3,7 +3,7 @@
 Element-wise optimizers (Adagrad, SGD, RMSprop from the config; a client Lion) must match stock ZeRO-1/2.
 Optimizers that need whole matrices (DeepSpeed's Muon with its auxiliary Adam, torch's Adafactor, a
 client LAMB, torch's Muon) must match the unsharded reference, stock stage 0 with the same optimizer,
-which stock ZeRO-2 does not (see the README). At 2 and 3 ranks, fp32 and bf16, GAS 2, clipping 1.0.
+which stock ZeRO-2 does not (see docs/optimizers.md). At 2 and 3 ranks, fp32 and bf16, GAS 2, clipping 1.0.
 Every optimizer's state exists only for owned tensors, and its checkpoint resumes at another world size.
 """
 
@@ -26,7 +26,7 @@ HERE = os.path.dirname(__file__)
 # is the reference's own sensitivity. ds_tensorshard sums the same gradients in another order, a rounding or
 # two per element, and must land within SENSITIVITY_FACTOR times that sensitivity; in bf16 it (like stock
 # ZeRO-1/2) also rounds the accumulated gradient to bf16 at each micro-step, where the stage-0 reference
-# accumulates in fp32: twice the factor. Measured ratios are in the README (at most 1.8 in fp32, 4.5 in bf16).
+# accumulates in fp32: twice the factor. Measured ratios are in docs/optimizers.md (at most 1.8 in fp32, 4.5 in bf16).
 SENSITIVITY_FACTOR = {"fp32": 4, "bf16": 8}
 EXACT = {("muon", "fp32"), ("adafactor", "fp32"), ("lamb", "fp32")}
 

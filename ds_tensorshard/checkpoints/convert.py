@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds_tensorshard.checkpoints.files import save_atomic, write_text_atomic
+from ds_tensorshard.checkpoints.files import read_latest, save_atomic, write_text_atomic
 from ds_tensorshard.checkpoints.rank_file import RankFile, rank_file_name, restore_loss_scaler
 from ds_tensorshard.checkpoints.sources import (
     CHECKPOINT_ID_KEY,
@@ -31,11 +31,10 @@ def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False
     if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
         return checkpoint_dir, os.path.basename(os.path.normpath(checkpoint_dir))
     if tag is None:
-        latest = os.path.join(checkpoint_dir, "latest_universal" if universal else "latest")
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"{checkpoint_dir} has no '{os.path.basename(latest)}' file; pass --tag")
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = read_latest(checkpoint_dir, universal)
+        if tag is None:
+            latest = "latest_universal" if universal else "latest"
+            raise CheckpointError(f"{checkpoint_dir} has no '{latest}' file; pass --tag")
     return os.path.join(checkpoint_dir, tag), tag
 
 

@@ -30,7 +30,17 @@ _CHUNK = 1 << 22
 DEEPSPEED_TYPES = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 
 
-def _fsync_dir(path: str) -> None:
+def read_latest(save_dir: str, universal: bool = False) -> str | None:
+    """The tag a save dir's ``latest`` (``latest_universal``) file names, or None without that file."""
+    latest = os.path.join(save_dir, "latest_universal" if universal else "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def fsync_dir(path: str) -> None:
+    """Make the folder holding ``path`` durable (a rename in it survives a crash)."""
     fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,7 +58,7 @@ def _replace_durably(write: Callable[[str], None], path: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def file_digest(path: str) -> str:

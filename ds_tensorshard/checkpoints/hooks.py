@@ -18,15 +18,27 @@ import functools
 import os
 import shutil
 import uuid
+import weakref
 
 import torch.distributed
 from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from ds_tensorshard.checkpoints.files import DIGEST_SUFFIX, load_for_deepspeed, save_atomic, verify, write_text_atomic
+from ds_tensorshard.checkpoints.files import (
+    DIGEST_SUFFIX,
+    fsync_dir,
+    load_for_deepspeed,
+    read_latest,
+    save_atomic,
+    verify,
+    write_text_atomic,
+)
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
 from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
 from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
+
+# the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
+_OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _enabled(engine) -> bool:
@@ -144,21 +156,11 @@ def _move_into_place(staging: str, final: str) -> None:
     else:
         _remove_if_empty(final)
         os.replace(staging, final)
-    fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(final)
 
 
 def _resolve_tag(load_dir: str, tag, universal: bool):
-    if tag is not None:
-        return str(tag)
-    latest = os.path.join(load_dir, "latest_universal" if universal else "latest")
-    if not os.path.isfile(latest):
-        return None  # DeepSpeed itself reports this case
-    with open(latest) as f:
-        return f.read().strip()
+    return str(tag) if tag is not None else read_latest(load_dir, universal)  # None: DeepSpeed reports it
 
 
 def wrap_load_checkpoint(original):
@@ -197,7 +199,7 @@ def wrap_load_checkpoint(original):
         else:
             source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal, mp_rank=_mp_rank(self))
             source.check_model(*self.optimizer.expected_checkpoint_layout())
-        self._tensorshard_source = source
+        _OPENED[self] = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
             load_path, client_state = original(
@@ -211,7 +213,7 @@ def wrap_load_checkpoint(original):
                 custom_load_fn,
             )
         finally:
-            self._tensorshard_source = None
+            del _OPENED[self]
             del self.checkpoint_engine.load
         if client_state:
             client_state.pop(CHECKPOINT_ID_KEY, None)
@@ -225,7 +227,7 @@ def wrap_load_zero_checkpoint(original):
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
         if not _enabled(self):
             return original(self, load_dir, tag, load_optimizer_states)
-        source = getattr(self, "_tensorshard_source", None)
+        source = _OPENED.get(self)
         if source is None:
             source = open_checkpoint(
                 os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=_mp_rank(self)

@@ -39,6 +39,11 @@ def loss_scaler_fields(scaler: LossScalerBase) -> dict[str, Any]:
     return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
 
 
+def step_int(step: Any) -> int:
+    """An optimizer's ``step`` (a number or a 0-dim tensor) as the int a rank file stores."""
+    return int(step.item()) if torch.is_tensor(step) else int(step)
+
+
 def restore_loss_scaler(fields: Mapping[str, Any], dtype: torch.dtype) -> LossScalerBase:
     """The scaler that :func:`loss_scaler_fields` describes (dynamic or static, as it was saved)."""
     if fields.get("dynamic"):

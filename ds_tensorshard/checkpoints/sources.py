@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from ds_tensorshard.checkpoints import files
-from ds_tensorshard.checkpoints.rank_file import RankFile, loss_scaler_fields, parse_rank_file_name, rank_file_name
+from ds_tensorshard.checkpoints.rank_file import (
+    RankFile,
+    loss_scaler_fields,
+    parse_rank_file_name,
+    rank_file_name,
+    step_int,
+)
 from ds_tensorshard.errors import CheckpointError
 
 CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
@@ -296,7 +302,7 @@ class ZeroSource(CheckpointSource):
             k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape) for k in keys
         }
         if state or "step" in group_state:
-            state["step"] = _as_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
+            state["step"] = step_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))
         return TensorState(master.view(shape), state)
 
 
@@ -348,12 +354,8 @@ class UniversalSource(CheckpointSource):
                 state[key] = value
         step_path = os.path.join(self.zero, name, "step.pt")
         if state:
-            state["step"] = _as_int(files.load(step_path)) if os.path.isfile(step_path) else 0
+            state["step"] = step_int(files.load(step_path)) if os.path.isfile(step_path) else 0
         master = self._part(name, "fp32")
         if master is None:
             raise CheckpointError(f"universal checkpoint lacks {os.path.join(self.zero, name, 'fp32.pt')}")
         return TensorState(master, state)
-
-
-def _as_int(step: Any) -> int:
-    return int(step.item()) if torch.is_tensor(step) else int(step)

@@ -147,7 +147,7 @@ def transports(mpi: Mapping[str, Any], accel: Mapping[str, Any]) -> dict[str, st
         found["torch"] = f"yes ({backend})" if available else f"no: torch has no {backend} backend"
     if "error" in mpi:
         found["mpi"] = (
-            f"no: mpi4py {mpi['error']} (pip install 'ds_tensorshard[mpi]', see README 'Running on a cluster')"
+            f"no: mpi4py {mpi['error']} (pip install 'ds_tensorshard[mpi]', see docs/cluster.md, 'Installing an MPI')"
         )
     else:
         launcher = next((p for p in (shutil.which("mpiexec"), shutil.which("mpirun")) if p), None)

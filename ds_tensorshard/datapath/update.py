@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds_tensorshard.datapath.buckets import Piece
+from ds_tensorshard.datapath.buckets import Bucket, Piece
 from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
@@ -65,6 +65,13 @@ class OwnedShard:
         return self.blocks[param].numel == param.numel()
 
     @torch.no_grad()
+    def accept(self, bucket: Bucket, segment: torch.Tensor, rank: int) -> None:
+        """A reduced segment of ``bucket`` arrived at its owner, this ``rank``: accumulate each piece."""
+        owned = bucket.segment_of(rank)
+        assert owned is not None, "a segment is delivered only to its owner"
+        for piece, grad in owned.views(segment):
+            self.accumulate(piece, grad)
+
     def accumulate(self, piece: Piece, grad: torch.Tensor) -> None:
         """Add a reduced gradient piece of an owned tensor to its accumulator."""
         block = self.blocks[piece.param]

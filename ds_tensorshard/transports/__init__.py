@@ -1,2 +1,19 @@
 """The transports the data path's collectives run on: the protocol, torch (deepspeed.comm), mpi (mpi4py),
 and the deadline every wait has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_tensorshard.transports.protocol import Transport
+
+
+def open_transport(backend: str, group: Any, timeout_s: float) -> Transport:
+    """The ``tensorshard.comm_backend`` transport over the data-parallel ``group``."""
+    if backend == "mpi":
+        from ds_tensorshard.transports.mpi_comm import MpiComm
+
+        return MpiComm(group, timeout_s)
+    from ds_tensorshard.transports.torch_comm import TorchComm
+
+    return TorchComm(group, timeout_s)

@@ -1,0 +1,79 @@
+"""Where a gradient goes when backward produces it: into the reducer, or held until the accumulation boundary.
+
+Stage 2 reduces after every backward; stage 1 only in the boundary's backward (outside ``engine.no_sync()``;
+a PipelineEngine reduces once, at the end of the batch). Until then a stage-1 gradient accumulates in the
+model, or, where ``grad_accum_dtype`` is wider than the model's dtype, held in that dtype here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+# a parameter's gradient hook, by id: a model given to a new engine drops the previous engine's hook
+_HOOKS: dict[int, RemovableHandle] = {}
+
+
+class GradientIntake:
+    """The post-accumulate-grad hook of every sharded parameter, and the gradient each one hands on."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: dict[torch.nn.Parameter, str],
+        reduces_now: Callable[[], bool],
+        held_dtype: torch.dtype | None,
+    ) -> None:
+        self.names, self.reduces_now = names, reduces_now
+        self.held_dtype = held_dtype
+        self.held: dict[torch.nn.Parameter, torch.Tensor] | None = {} if held_dtype is not None else None
+        self.to_reducer: Callable[[torch.nn.Parameter], None] = lambda param: None  # set by the optimizer
+        for param in params:
+            previous = _HOOKS.pop(id(param), None)
+            if previous is not None:
+                previous.remove()
+            else:
+                weakref.finalize(param, _HOOKS.pop, id(param), None)
+            _HOOKS[id(param)] = param.register_post_accumulate_grad_hook(self.ready)
+
+    @torch.no_grad()
+    def ready(self, param: torch.nn.Parameter) -> None:
+        """The hook: in a backward that reduces, hand the gradient to the reducer (which starts complete
+        buckets at once); otherwise let it accumulate, in the model or held here."""
+        reducing = self.reduces_now()
+        if self.held is not None and (param in self.held or not reducing):
+            assert param.grad is not None, f"{self.names[param]}: hook called without a gradient"
+            held = self.held.get(param)
+            self.held[param] = param.grad.to(self.held_dtype) if held is None else held.add_(param.grad)
+            param.grad = None
+        if reducing:
+            self.to_reducer(param)
+
+    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient to reduce: the held one (in ``grad_accum_dtype``), else the model's."""
+        held = self.held.get(param) if self.held is not None else None
+        return param.grad if held is None else held
+
+    def release(self, param: torch.nn.Parameter) -> None:
+        """A gradient is packed into its last bucket: neither the model nor this keeps it."""
+        param.grad = None
+        if self.held is not None:
+            self.held.pop(param, None)
+
+    def clear(self, params: list[torch.nn.Parameter], set_to_none: bool) -> None:
+        """``zero_grad``: the model's gradients (and the held ones) to None, or to zeros, as stock."""
+        for param in params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_()
+                param.grad.zero_()
+        if self.held is not None:
+            if set_to_none:
+                self.held.clear()
+            else:
+                for held in self.held.values():
+                    held.zero_()

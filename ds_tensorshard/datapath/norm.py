@@ -1,0 +1,127 @@
+"""The global gradient norm, the overflow check and the unscale-and-clip divisor, as stock ZeRO-1/2.
+
+Per param group an fp64 sum of squares of the owned gradients (:meth:`OwnedShard.squared_grad_norms`),
+cast to fp32 and summed over the ranks (:func:`sum_over_ranks`, which also checks that every rank is at
+the same step); then :func:`global_norm` and :func:`decide` are pure arithmetic: the groups' norms combined
+in fp32, an invalid group norm makes the whole norm invalid (an overflow, unless bf16 is not checked), and
+the gradients are unscaled and clipped with the loss scale *after* its update, as stock does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
+from deepspeed.runtime.utils import is_model_parallel_parameter
+
+from ds_tensorshard.errors import StepMismatch
+from ds_tensorshard.transports.deadline import wait_or_fail
+from ds_tensorshard.transports.protocol import Transport
+
+STEP_CHECK_MODULUS = 4096  # the step check sums steps modulo this: exact in fp32 up to 4,096 ranks
+
+
+def loss_scaler_of(engine: Any, dtype: torch.dtype) -> LossScalerBase:
+    """The engine's loss scaler (static, or dynamic for fp16), as stock ZeRO-1/2 builds it."""
+    return CreateLossScaler(
+        dtype=dtype,
+        static_loss_scale=engine.loss_scale(),
+        dynamic_scaling=engine.dynamic_loss_scale(),
+        dynamic_loss_args=engine.dynamic_loss_scale_args(),
+    )
+
+
+def counted_in_norm(param: torch.nn.Parameter, model_parallel_rank: int) -> bool:
+    """Stock's model-parallel rule: each tensor-parallel shard once, a replicated tensor on model-parallel
+    rank 0 only, a pipeline-replicated (tied) copy not at all."""
+    if getattr(param, PIPE_REPLICATED, False):
+        return False
+    return is_model_parallel_parameter(param) or model_parallel_rank == 0
+
+
+def sum_over_ranks(
+    squares: torch.Tensor, step: int, comm: Transport, model_parallel_group: Any, describe: Callable[[], str]
+) -> torch.Tensor:
+    """Each group's sum of squares (fp64, this rank's) summed over the data-parallel ranks in fp32, then
+    over the tensor-parallel shards. One extra element carries the ranks' steps: a rank at another step
+    raises :class:`~ds_tensorshard.errors.StepMismatch` on every rank."""
+    stats = torch.cat([squares.float(), torch.tensor([float(step % STEP_CHECK_MODULUS)], device=squares.device)])
+    wait_or_fail(lambda: comm.all_reduce_sum(stats), comm, describe)
+    partials, steps = stats[:-1].clone(), float(stats[-1])
+    if steps != comm.world_size * (step % STEP_CHECK_MODULUS):
+        raise StepMismatch(
+            f"ds_tensorshard: the ranks of the data-parallel group are at different optimizer steps: this rank "
+            f"(rank {comm.rank}) is at step {step}, but their steps (mod {STEP_CHECK_MODULUS}) sum to "
+            f"{steps:.0f}, not {comm.world_size} x {step % STEP_CHECK_MODULUS}; a rank skipped or repeated "
+            "a step (its data ran out?)"
+        )
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(partials, group=model_parallel_group)  # tensor-parallel shards add up, as stock
+    return partials
+
+
+def global_norm(partials: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(norm, invalid)`` from the groups' summed squares: the groups' norms combined in fp32; inf, and
+    invalid, where any group's norm is inf or nan."""
+    group_norms = partials.pow(1.0 / 2)
+    if bool((~torch.isfinite(group_norms)).any()):
+        return torch.full((), float("inf"), device=partials.device), True
+    return torch.linalg.vector_norm(group_norms), False
+
+
+@dataclass(frozen=True)
+class NormRules:
+    """How an engine's config and DeepSpeed release treat the norm (read once, at initialize)."""
+
+    clip: float  # gradient_clipping; 0: none
+    compute_norm: bool  # zero_optimization.compute_grad_norm (DeepSpeed before 0.19.7 always computes it)
+    checks_overflow: bool  # fp16/fp32 always; bf16 only with bf16.check_grad_overflow (never through 0.17.0)
+    overflow_norm_is_inf: bool  # after an overflow get_global_grad_norm() is inf (0.19.8), else the last norm
+
+    @classmethod
+    def of(cls, engine: Any, release: tuple[int, ...]) -> NormRules:
+        bf16 = getattr(engine._config, "bfloat16_config", None)
+        return cls(
+            clip=float(engine.gradient_clipping()),
+            compute_norm=getattr(engine, "zero_compute_grad_norm", lambda: True)(),
+            checks_overflow=engine.get_data_types()[0] != torch.bfloat16
+            or (engine.bfloat16_enabled() and bf16 is not None and bf16.check_grad_overflow),
+            overflow_norm_is_inf=release >= (0, 19, 8),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a step does with its gradients: skip them (overflow) or divide them by ``divisor`` (None: as
+    they are); ``reported`` is what ``engine.get_global_grad_norm()`` gives afterwards."""
+
+    overflow: bool
+    divisor: float | torch.Tensor | None
+    reported: float | None
+
+
+def decide(
+    norm: torch.Tensor,
+    overflow: bool,
+    scale_before: float,
+    scale_after: float,
+    rules: NormRules,
+    previous: float | None,
+) -> Decision:
+    """The step's decision from the (loss-scaled) global ``norm`` and the loss scale before and after its
+    update; ``previous``: the last step's reported norm."""
+    if overflow:
+        reported = None if not rules.compute_norm else float("inf") if rules.overflow_norm_is_inf else previous
+        return Decision(overflow=True, divisor=None, reported=reported)
+    reported = float(norm / scale_before) if rules.compute_norm else None
+    if rules.clip == 0.0 and scale_after == 1.0:
+        return Decision(overflow=False, divisor=None, reported=reported)
+    divisor: float | torch.Tensor = scale_after
+    if rules.clip > 0.0 and rules.compute_norm:
+        divisor = torch.clamp(((norm / scale_after) + 1e-6) / rules.clip, min=1.0) * scale_after
+    return Decision(overflow=False, divisor=divisor, reported=reported)
