@@ -11,7 +11,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,13 +20,9 @@ from typing import Any
 
 import forkserver
 
+from ds_tensorshard.bench.runner import free_port, kill_group
+
 TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
@@ -112,15 +107,6 @@ def run_ranks(
         for r, (code, out) in enumerate(zip(codes, outputs)):
             assert code == 0, f"rank {r} of {args} exited {code}:\n{out[-6000:]}"
     return outputs
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kill the process group ``proc`` leads, if any of it is still alive, and reap ``proc``."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) -> subprocess.CompletedProcess:

@@ -39,7 +39,8 @@ LABELS = {
 PHASES = ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     import socket
 
     with socket.socket() as sock:
@@ -63,18 +64,18 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
         config,
         raw_dir,
         "--port",
-        str(_free_port()),
+        str(free_port()),
     ]
     for name in RUN_ARGUMENTS:
         if getattr(args, name) is not None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )  # its ranks die with it: see _kill_group
+    )  # its ranks die with it: see kill_group
     try:
         out, err = proc.communicate(timeout=args.timeout)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
     if proc.returncode != 0:
         raise SystemExit(f"configuration {config} failed:\n{out[-3000:]}\n{err[-3000:]}")
     ranks = []
@@ -84,8 +85,9 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict
     return ranks
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill a configuration's mpiexec and every rank it started (a timeout, Ctrl-C or SIGTERM included)."""
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill the process group ``proc`` leads (a configuration's mpiexec and every rank it started, on a timeout,
+    Ctrl-C or SIGTERM), if any of it is still alive, and reap ``proc``."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -8,31 +8,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ds_tensorshard.commands.models import PRESET_NAMES
-
-GPT_SIZE_KEYS = ("vocab", "seq", "width", "layers", "heads")
-
-
-def _model_shapes(args: argparse.Namespace) -> list[tuple[str, tuple[int, ...]]]:
-    if args.checkpoint:
-        from ds_tensorshard.checkpoints.convert import resolve
-        from ds_tensorshard.checkpoints.sources import open_checkpoint
-
-        source = open_checkpoint(resolve(args.checkpoint, args.tag)[0])
-        return [(name, tuple(shape)) for name, shape in source.shapes.items()]
-    from ds_tensorshard.commands.models import hf_config_shapes, preset_shapes
-
-    if args.model_config:
-        return hf_config_shapes(args.model_config)
-    overrides = {k: getattr(args, k) for k in GPT_SIZE_KEYS if getattr(args, k) is not None}
-    return preset_shapes(args.preset, **overrides)
+from ds_tensorshard.commands.model_source import add_model_arguments, model_shapes
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ds_tensorshard.commands.plan_report import format_report, plan_report
     from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL
 
-    shapes = _model_shapes(args)
+    shapes = model_shapes(args)
     reports = [
         plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors, args.optimizer)
         for n in args.world_size
@@ -80,13 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-tensorshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="ownership plan, buckets and wire volume of a model at given world sizes")
-    source = plan.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="gpt2-small", choices=PRESET_NAMES, help="model shape (default gpt2-small)")
-    source.add_argument("--model-config", help="a Hugging Face config.json of a Llama-style model")
-    source.add_argument("--checkpoint", help="plan the tensors of this checkpoint (save dir or tag folder)")
-    plan.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
-    for key in GPT_SIZE_KEYS:
-        plan.add_argument(f"--{key}", type=int, help=f"override a GPT preset's {key}")
+    add_model_arguments(plan, size_overrides=True)
     plan.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
     plan.add_argument(
         "--split-tensors",

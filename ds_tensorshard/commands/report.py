@@ -446,7 +446,7 @@ def format_text(report: Mapping[str, Any]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds_tensorshard.commands.models import PRESET_NAMES
+    from ds_tensorshard.commands.model_source import add_model_arguments
 
     parser.add_argument("--config", help="a ds_config JSON: would deepspeed.initialize accept it?")
     parser.add_argument(
@@ -455,11 +455,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         help="plan the model at these world sizes (and check the config's batch sizes at them)",
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="gpt2-small", choices=PRESET_NAMES, help="model shape (default gpt2-small)")
-    source.add_argument("--model-config", help="a Hugging Face config.json of a Llama-style model")
-    source.add_argument("--checkpoint", help="plan the tensors of this checkpoint (save dir or tag folder)")
-    parser.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
+    add_model_arguments(parser, size_overrides=False)
     parser.add_argument(
         "--split-tensors", choices=["auto", "never"], default="auto", help="without an enabled --config (default auto)"
     )
@@ -471,11 +467,9 @@ def run(args: argparse.Namespace) -> int:
     """The ``report`` subcommand; exit status 1 when the config is refused or a build lock is stale."""
     shapes = None
     if args.world_size:
-        from ds_tensorshard.commands.cli import _model_shapes
+        from ds_tensorshard.commands.model_source import model_shapes
 
-        for key in ("vocab", "seq", "width", "layers", "heads"):
-            setattr(args, key, getattr(args, key, None))
-        shapes = _model_shapes(args)
+        shapes = model_shapes(args)
     report = gather(args.config, args.world_size, shapes, args.split_tensors, args.bucket_numel)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
