@@ -9,7 +9,16 @@ check_deepspeed_version(_deepspeed.__version__)
 from ds_tensorshard.config import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
 from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
-from ds_tensorshard.errors import CheckpointError, TensorShardConfigError  # noqa: E402
+from ds_tensorshard.errors import (  # noqa: E402
+    CheckpointError,
+    CollectiveTimeout,
+    ModelSourceError,
+    PlanError,
+    StepMismatch,
+    TensorShardConfigError,
+    TensorShardUsageError,
+    UnsupportedDeepSpeedVersion,
+)
 from ds_tensorshard.many import initialize_many, step_many  # noqa: E402
 from ds_tensorshard.optimizer import TensorShardOptimizer  # noqa: E402
 
@@ -20,6 +29,12 @@ __all__ = [
     "TensorShardConfig",
     "TensorShardConfigError",
     "CheckpointError",
+    "CollectiveTimeout",
+    "ModelSourceError",
+    "PlanError",
+    "StepMismatch",
+    "TensorShardUsageError",
+    "UnsupportedDeepSpeedVersion",
     "TensorShardOptimizer",
     "OwnershipPlan",
     "plan_ownership",

@@ -21,3 +21,17 @@ class CollectiveTimeout(RuntimeError):
 
 class StepMismatch(RuntimeError):
     """The ranks of one data-parallel group are at different optimizer steps."""
+
+
+class PlanError(ValueError):
+    """An ownership plan asked for what it cannot give (a tensor not in it, the one owner of a split tensor),
+    or given inputs it cannot plan; the message names the tensor or argument."""
+
+
+class ModelSourceError(ValueError):
+    """A model description a command cannot read (a config.json, a preset with overrides); names the file
+    and key."""
+
+
+class TensorShardUsageError(RuntimeError):
+    """A use of the engine that ds_tensorshard cannot follow as stock does; names the parameter and the fix."""

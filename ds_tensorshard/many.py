@@ -27,6 +27,7 @@ import torch
 from deepspeed import comm as dist
 
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.optimizer import TensorShardOptimizer
 
 _JOINT_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> plan, during initialize
@@ -38,14 +39,14 @@ def initialize_many(items: Sequence[dict[str, Any]]) -> list[tuple]:
     deepspeed.init_distributed()
     modes = {_split_mode(item) for item in items}
     if len(modes) > 1:
-        raise ValueError(
+        raise TensorShardConfigError(
             f"initialize_many plans all models at once, but their configs set 'tensorshard.split_tensors' "
             f"differently ({sorted(modes)}); give them the same value"
         )
     tensors, names = [], {}
     for index, item in enumerate(items):
         if "model" not in item:
-            raise ValueError(f"initialize_many: item {index} has no 'model'")
+            raise TensorShardConfigError(f"initialize_many: item {index} has no 'model'")
         for name, param in item["model"].named_parameters():
             if param.requires_grad:
                 key = f"{index}/{name}"

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.datapath.plan import TARGET_IMBALANCE, plan_ownership
+from ds_tensorshard.errors import PlanError
 
 sizes = st.lists(st.integers(min_value=1, max_value=10_000), min_size=1, max_size=60)
 worlds = st.integers(min_value=1, max_value=9)
@@ -104,7 +105,7 @@ def test_owner_accepts_the_parameter_itself():
     plan = plan_ownership([(n, p.shape) for n, p in model.named_parameters()], 2, param_names=names, split="never")
     assert plan.owner(model.weight) == plan.owner("weight") == 0
     assert plan.owner(model.bias) == 1
-    with pytest.raises(KeyError, match="not in this plan"):
+    with pytest.raises(PlanError, match="not in this plan"):
         plan.owner(torch.nn.Parameter(torch.zeros(2)))
     split = plan_ownership([("big", (10, 4)), ("small", (4,))], 2, split="auto")
     with pytest.raises(ValueError, match="'big' is split into 2 blocks owned by ranks"):

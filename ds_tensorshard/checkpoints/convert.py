@@ -251,7 +251,7 @@ def convert(
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
     if to not in ("tensorshard", "zero"):
-        raise ValueError(f"unknown conversion target {to!r}")
+        raise CheckpointError(f"unknown conversion target {to!r}: 'fp32', 'zero' or 'tensorshard'")
     for mp_rank, source in zip(ranks, sources):
         label = f"convert to {to}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
         report = progress or terminal_callback(label, "tensor" if to == "tensorshard" else "rank file")

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_tensorshard.errors import ModelSourceError
+
 PRESETS = {
     "demo": dict(vocab=256, seq=64, width=128, layers=4, heads=4),
     "gpt2-small": dict(vocab=50257, seq=1024, width=768, layers=12, heads=12),
@@ -126,18 +128,18 @@ def hf_config_shapes(path: str) -> Shapes:
     with open(path) as f:
         config = json.load(f)
     if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a JSON object")
+        raise ModelSourceError(f"{path} is not a JSON object")
     config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     config.setdefault("tie_word_embeddings", False)
     for key in LLAMA_KEYS:
         value = config.get(key)
         if key == "tie_word_embeddings":
             if not isinstance(value, bool):
-                raise ValueError(f"{path}: '{key}' must be true or false, got {value!r}")
+                raise ModelSourceError(f"{path}: '{key}' must be true or false, got {value!r}")
         elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{path}: '{key}' must be a positive integer, got {value!r}")
+            raise ModelSourceError(f"{path}: '{key}' must be a positive integer, got {value!r}")
     if config["hidden_size"] % config["num_attention_heads"]:
-        raise ValueError(
+        raise ModelSourceError(
             f"{path}: 'hidden_size' {config['hidden_size']} is not a multiple of "
             f"'num_attention_heads' {config['num_attention_heads']}"
         )
@@ -148,7 +150,7 @@ def preset_shapes(preset: str, **overrides: int) -> Shapes:
     """Trainable parameter shapes of a named model (GPT presets accept size overrides)."""
     if preset in LLAMA_PRESETS:
         if overrides:
-            raise ValueError(f"preset {preset} takes no size overrides (got {sorted(overrides)})")
+            raise ModelSourceError(f"preset {preset} takes no size overrides (got {sorted(overrides)})")
         return llama_shapes(LLAMA_PRESETS[preset])
     model = build(preset, device="meta", **overrides)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]

@@ -258,10 +258,12 @@ def load_config(path: str) -> dict[str, Any]:
     """A DeepSpeed config file as DeepSpeed reads it (hjson, which accepts plain JSON)."""
     import hjson
 
+    from ds_tensorshard.errors import TensorShardConfigError
+
     with open(path) as f:
         config = hjson.load(f, object_pairs_hook=dict)
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+        raise TensorShardConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
     return config
 
 

@@ -40,6 +40,8 @@ from typing import Literal
 
 import torch
 
+from ds_tensorshard.errors import PlanError
+
 TARGET_IMBALANCE = 1.02  # split="auto" keeps the whole-tensor plan when it is at least this good
 FILL = 1.01  # capacity per rank, over the ideal, when tensors are cut (headroom for whole rows)
 SplitMode = Literal["auto", "never"]
@@ -74,7 +76,7 @@ class OwnershipPlan:
     def name_of(self, tensor: str | torch.Tensor) -> str:
         name = tensor if isinstance(tensor, str) else self.param_names.get(id(tensor))
         if name is None or name not in self.blocks:
-            raise KeyError(f"tensor {tensor if isinstance(tensor, str) else tuple(tensor.shape)} is not in this plan")
+            raise PlanError(f"tensor {tensor if isinstance(tensor, str) else tuple(tensor.shape)} is not in this plan")
         return name
 
     def owner(self, tensor: str | torch.Tensor) -> int:
@@ -82,7 +84,7 @@ class OwnershipPlan:
         name = self.name_of(tensor)
         blocks = self.blocks[name]
         if len(blocks) != 1:
-            raise ValueError(
+            raise PlanError(
                 f"tensor '{name}' is split into {len(blocks)} blocks owned by ranks "
                 f"{[b.rank for b in blocks]}; see plan.blocks['{name}']"
             )
@@ -138,13 +140,13 @@ def plan_ownership(
     A bare int is the element count of a 1-D tensor.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise PlanError(f"world_size must be >= 1, got {world_size}")
     if split not in ("auto", "never"):
-        raise ValueError(f"split must be 'auto' or 'never', got {split!r}")
+        raise PlanError(f"split must be 'auto' or 'never', got {split!r}")
     shapes = {}
     for name, shape in tensors:
         if name in shapes:
-            raise ValueError(f"tensor names in an ownership plan must be unique; '{name}' appears twice")
+            raise PlanError(f"tensor names in an ownership plan must be unique; '{name}' appears twice")
         shapes[name] = (shape,) if isinstance(shape, int) else tuple(shape)
     numels = {name: math.prod(shape) for name, shape in shapes.items()}
     work = dict(work or {})

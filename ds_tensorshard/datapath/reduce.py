@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.errors import TensorShardUsageError
 from ds_tensorshard.transports.deadline import wait_or_fail
 from ds_tensorshard.transports.protocol import Pending, Transport
 
@@ -140,7 +141,7 @@ class OverlappedReducer:
     def gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is final for this backward: start every bucket that is now complete."""
         if id(param) in self.seen:
-            raise RuntimeError(
+            raise TensorShardUsageError(
                 f"ds_tensorshard: the gradient of '{self.name_of(param)}' was delivered twice in one backward (a "
                 "parameter reused under reentrant activation checkpointing?); its bucket would be reduced with a "
                 "partial gradient. Use non-reentrant checkpointing (use_reentrant=False)"
