@@ -7,7 +7,7 @@ import warnings
 
 from ds_tensorshard.errors import UnsupportedDeepSpeedVersion
 
-# [low, high): the oldest and newest release of each series 0.16-0.19 tested (tests/test_versions.py,
+# [low, high): the oldest and newest release of each series 0.16-0.19 tested (tests/multiprocess/test_versions.py,
 # docs/versions.md); the engine differences between them are handled where they arise
 SUPPORTED_DEEPSPEED = ((0, 16, 0), (0, 20, 0))
 UNTESTED_ENV = "DS_TENSORSHARD_UNTESTED_DEEPSPEED"  # =1: warn instead of refusing (to try another release)

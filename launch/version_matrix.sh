@@ -6,12 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
-releases=$(python -c 'import sys; sys.path.insert(0, "tests"); from venvs import DEEPSPEED_RELEASES as r; print(" ".join("ds" + v for v in r if v != "0.19.8"))')
-python tests/venvs.py $releases            # pip, outside the timed tests
-python tests/venvs.py --build $releases    # FusedAdam JIT-built in each
+releases=$(python -c 'from tests.helpers.venvs import DEEPSPEED_RELEASES as r; print(" ".join("ds" + v for v in r if v != "0.19.8"))')
+python -m tests.helpers.venvs $releases            # pip, outside the timed tests
+python -m tests.helpers.venvs --build $releases    # FusedAdam JIT-built in each
 export VERSIONS_OUT="${VERSIONS_OUT:-$(mktemp)}"
 : > "$VERSIONS_OUT"
 status=0
-python -m pytest -q -p no:cacheprovider -m versions -rA --durations=0 tests/test_versions.py "$@" || status=$?
+python -m pytest -q -p no:cacheprovider -m versions -rA --durations=0 tests/multiprocess/test_versions.py "$@" || status=$?
 cat "$VERSIONS_OUT"
 exit "$status"

@@ -1,73 +1,84 @@
 import os
 import runpy
-import sys
 import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-# every process the tests start probes the CPU once for all (tests/site/sitecustomize.py says why)
-SITE = os.path.join(HERE, "site")
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every process the tests start probes the CPU once for all (tests/helpers/site/sitecustomize.py says why) and
+# imports the tests package (tests.helpers, tests.workers) from the repository
+SITE = os.path.join(ROOT, "tests", "helpers", "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, ROOT, os.environ.get("PYTHONPATH")) if p)
 os.environ.setdefault("DS_TENSORSHARD_TEST_CPUINFO", os.path.join(tempfile.mkdtemp(prefix="ts-tests-"), "cpuinfo.json"))
 runpy.run_path(os.path.join(SITE, "sitecustomize.py"))  # and this process
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402  (after the environment every test process inherits)
 
 
 @pytest.fixture(scope="session")
 def single_rank_world():
     """torch.distributed in the test process itself: one gloo rank."""
     import deepspeed
-    from ranks import free_port
+
+    from tests.helpers.ranks import free_port
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-# The fast tier is `pytest -m "not multiprocess"`: every test that starts other processes (ranks, launchers,
-# the command line) is marked, because its module only does that, because it uses a fixture that launches
-# ranks, because it belongs to a longer tier, or by its own decorator.
-MULTIPROCESS_MODULES = {
-    "test_bench",
-    "test_equivalence",
-    "test_many",
-    "test_module_runner",
-    "test_mpi",
-    "test_optimizers",
-    "test_reliability",
-    "test_scale",
-    "test_soak",
-    "test_launchers",
-    "test_frameworks",
-    "test_versions",
-    "test_gpu",
-    "test_progress",
-}
-LAUNCHING_FIXTURES = {
-    "runs",
-    "tp",
-    "tp_checkpoints",
-    "pipeline",
-    "ulysses",
-    "features",
-    "trained",
-    "world",
-    "many",
-    "mpi_world",
-    "scaled",
-    "split_checkpoints",
-    "stock",
-}
-LONGER_TIERS = {"scale", "extended", "soak", "launchers", "versions", "frameworks", "gpu"}
+@pytest.fixture(scope="session")
+def equivalence_runs(tmp_path_factory):
+    """``runs(n)``: every case of the equivalence worker (fp32/bf16/fp16 x stock/ds_tensorshard x stages 1
+    and 2) at ``n`` ranks, run once per session for all the tests that compare against them; returns
+    ``load(case, rank)``."""
+    import torch
+
+    from tests.helpers import WORKERS
+    from tests.helpers.ranks import run_ranks
+    from tests.workers.equivalence_worker import CASES
+
+    loaders = {}
+
+    def runs(n: int):
+        if n not in loaders:
+            out = tmp_path_factory.mktemp(f"eq{n}")
+            run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *CASES], n)
+            loaders[n] = lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+        return loaders[n]
+
+    return runs
+
+
+@pytest.fixture
+def engine(single_rank_world):
+    """``engine(**model_args)``: a ds_tensorshard ZeRO-2 engine of TinyGPT in this process."""
+    from tests.helpers.one_rank import make_engine
+
+    return lambda **model_args: make_engine(**model_args)
+
+
+@pytest.fixture(scope="module")
+def laid_out_for_two(single_rank_world, tmp_path_factory):
+    """A ds_tensorshard checkpoint laid out for two ranks, made in this process (tests.helpers.one_rank)."""
+    from tests.helpers.one_rank import lay_out_for_two
+
+    return lay_out_for_two(tmp_path_factory.mktemp("two"))
+
+
+@pytest.fixture
+def saved(single_rank_world, tmp_path):
+    """A ds_tensorshard ZeRO-2 checkpoint (tag ``t``) saved by one rank in this process."""
+    from tests.helpers.one_rank import make_engine, train_and_save
+
+    train_and_save(make_engine(), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+# The fast tier is `pytest -m "not multiprocess"`: tests/multiprocess/ holds every test that starts other
+# processes (ranks, launchers, the command line), tests/unit/ the in-process ones.
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if (
-            item.module.__name__ in MULTIPROCESS_MODULES
-            or LAUNCHING_FIXTURES & set(item.fixturenames)
-            or LONGER_TIERS & {mark.name for mark in item.iter_markers()}
-        ):
+        if "multiprocess" in item.path.parts:
             item.add_marker(pytest.mark.multiprocess)

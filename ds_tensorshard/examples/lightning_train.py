@@ -9,7 +9,7 @@ A tiny GPT-2 built from its config (random init, fixed seed; no model hub), rand
 batches, so a step sees the same samples at any world size (global batch fixed by ``--grad-accum``). An epoch
 is ``--save-at`` steps; Lightning's ModelCheckpoint saves at each epoch's end (``step<N>.ckpt``).
 Lightning's DeepSpeedStrategy runs on CUDA GPUs (``--accelerator gpu``); on CPUs it refuses with "only
-supported on CUDA GPUs" (the tests lift that one check, see tests/cpu_site).
+supported on CUDA GPUs" (the tests lift that one check, see tests/helpers/cpu_site).
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+"""``ds-tensorshard bench`` at a tiny size: every configuration runs and the reports are written; a bench
+killed mid-way leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.compare import TOLERANCE
+from tests.helpers.ranks import TIMEOUT_S, kill_group, launcher_env, run_in_group
+
+TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return run_in_group(
+        [sys.executable, "-m", "ds_tensorshard.commands.cli", "bench", *args], env=launcher_env(), timeout=TIMEOUT_S
+    )
+
+
+def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
+    proc = bench(*TINY, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert set(results) == {"stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi"}
+    for r in results.values():
+        assert r["step_s"] > 0 and len(r["peak_rss_bytes"]) == 2 and r["sent_bytes_per_rank"] > 0
+    for raw in (tmp_path / "raw").glob("*.json"):  # measured phases are real and inside the step
+        config = json.loads(raw.read_text())["config"]
+        for row in json.loads(raw.read_text())["steps"]:
+            assert all(0.0 <= row[k] < row["step_s"] for k in ("fwd_bwd_s", "reduce_s", "optimizer_s", "gather_s"))
+            assert (row["gather_s"] > 0) == (config != "stage0"), (config, row)  # stage 0 gathers nothing
+            assert (row["reduce_s"] > 0) == (config != "ddp_zero"), (config, row)  # DDP reduces inside backward
+    for name in ("ts_torch", "ts_mpi"):  # every tensor's state on exactly one rank
+        r = results[name]
+        assert r["optimizer_state_bytes_fullest"] <= 1.05 * r["optimizer_state_bytes_total"] / 2 + 8 * 4096
+    # per-owner reduces and broadcasts, no padding: about what stock stage 0's all-reduce moves
+    for name in ("ts_torch", "ts_mpi"):
+        assert results[name]["sent_bytes_per_rank"] <= 1.02 * results["stage0"]["sent_bytes_per_rank"]
+    table = (tmp_path / "results.md").read_text()
+    assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_two_models_joint_plan_fills_the_fullest_rank_least(tmp_path):
+    proc = bench(*TINY, "--configs", "two_zero2", "two_ts_separate", "two_ts_joint", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    joint, separate = results["two_ts_joint"], results["two_ts_separate"]
+    assert joint["optimizer_state_bytes_total"] == separate["optimizer_state_bytes_total"]
+    assert joint["optimizer_state_bytes_fullest"] < separate["optimizer_state_bytes_fullest"]
+    assert joint["optimizer_state_fullest_over_ideal"] < separate["optimizer_state_fullest_over_ideal"]
+    for r in results.values():  # both models of every configuration train the same way (fp32, 2 ranks)
+        assert len(r["losses"]) == 2
+        for loss, stock in zip(r["losses"], results["two_zero2"]["losses"]):
+            assert abs(loss - stock) <= TOLERANCE["fp32"]["loss"]  # compare.py
+    assert "Two GPTs" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_refuses_mixing_one_and_two_model_configurations(tmp_path):
+    proc = bench(*TINY, "--configs", "zero2", "two_ts_joint", "--out", str(tmp_path))
+    assert proc.returncode != 0 and "separate runs" in proc.stderr
+    assert not (tmp_path / "raw").exists()
+
+
+@pytest.mark.extended
+def test_bench_muon_reports_newton_schulz_work_and_adafactor_its_state(tmp_path):
+    for optimizer in ("muon", "adafactor"):
+        out = tmp_path / optimizer
+        proc = bench(*TINY, "--optimizer", optimizer, "--configs", "zero2", "ts_torch", "--out", str(out))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results = {r["config"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+        stock, ours = results["zero2"], results["ts_torch"]
+        if optimizer == "muon":  # each matrix orthogonalized once, by its owner
+            assert ours["newton_schulz_fullest_over_ideal"] < stock["newton_schulz_fullest_over_ideal"]
+            assert "Newton-Schulz work" in (out / "results.md").read_text()
+        else:  # factored second moments instead of one value per element of a flat slice
+            assert ours["optimizer_state_bytes_total"] < stock["optimizer_state_bytes_total"] / 2
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_bench_killed_mid_way_leaves_no_process_behind(tmp_path, signum):
+    out = tmp_path / f"killed{int(signum)}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds_tensorshard.commands.cli",
+            "bench",
+            *TINY,
+            "--steps",
+            "500",
+            "--configs",
+            "ts_torch",
+            "--out",
+            str(out),
+        ],
+        env=launcher_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(_processes_mentioning(f"{out}/raw")) < 3:  # mpiexec and both ranks are running
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        time.sleep(5)  # the ranks are training
+        proc.send_signal(signum)  # only the bench process itself, as a supervisor or a TTY would
+        proc.wait(timeout=60)
+        time.sleep(2)
+        assert _processes_mentioning(f"{out}/raw") == []
+    finally:
+        kill_group(proc)

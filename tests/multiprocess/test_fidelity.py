@@ -1,0 +1,105 @@
+"""No silent divergence, with real ranks (3 ranks, gloo; see feature_worker.py): no_sync at stage 1, fp16
+stage 1 loss-scale trajectory over 32 steps with overflows, communication_data_type fp32 for bf16, bf16 with
+fp32 gradient accumulation at stage 1 (stock: BF16_Optimizer), a zero-element parameter,
+gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_gradients false; and the
+global norm's memory (a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import ds_tensorshard  # noqa: F401
+from tests.helpers import WORKERS
+from tests.helpers.compare import assert_run_matches
+from tests.helpers.ranks import run_in_group, run_ranks
+from tests.workers.feature_worker import SCENARIOS
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    out = tmp_path_factory.mktemp("features")
+    run_ranks(
+        [
+            os.path.join(WORKERS, "feature_worker.py"),
+            str(out),
+            *[f"{s}:{m}" for s in SCENARIOS for m in ("stock", "ts")],
+        ],
+        WORLD,
+    )
+    return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"fp16_stage1_scale"}))
+def test_feature_matches_stock(features, scenario):
+    for rank in range(WORLD):
+        assert_run_matches(
+            features(f"{scenario}:ts", rank),
+            features(f"{scenario}:stock", rank),
+            SCENARIOS[scenario][0],
+            f"{scenario} rank {rank}",
+        )
+    assert features(f"{scenario}:ts", 0)["optimizer_class"] == "TensorShardOptimizer"
+    if scenario == "bf16_accum_fp32_stage1":  # stock leaves ZeRO for its BF16_Optimizer here
+        assert features(f"{scenario}:stock", 0)["optimizer_class"] == "BF16_Optimizer"
+
+
+def test_fp16_stage1_follows_stocks_loss_scale_through_overflows(features):
+    """32 steps: the scale trajectory and the skipped steps are stock's exactly; over that many fp16 steps at
+    3 ranks the other summation order moves losses by up to 1.8e-4 and parameters by up to 1.6 peak-lr steps
+    (measured), so they are held to 1e-3 and two lr steps (at 2 ranks the run is bit-identical)."""
+    for rank in range(WORLD):
+        ours, stock = features("fp16_stage1_scale:ts", rank), features("fp16_stage1_scale:stock", rank)
+        assert len(ours["loss_scales"]) == 64  # 32 steps x GAS 2
+        assert ours["loss_scales"] == stock["loss_scales"]
+        assert ours["skipped_steps"] == stock["skipped_steps"] >= 3  # overflows recur as the scale grows back
+        assert len(set(ours["loss_scales"])) >= 3
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(stock["losses"]), rtol=0, atol=1e-3)
+        for name, value in stock["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=2e-2, msg=name)
+
+
+NORM_MEMORY = """
+import resource, sys, torch
+from ds_tensorshard.datapath import update
+from ds_tensorshard.datapath.plan import Block
+
+
+def shard_with_grad(numel):
+    param = torch.nn.Parameter(torch.zeros(numel))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    shard = update.OwnedShard(optimizer, [[(param, Block(0, 0, numel))]], torch.float32, torch.device("cpu"))
+    shard.masters[param].grad = torch.full((numel,), 0.5)
+    return shard
+
+
+if sys.argv[1] == "whole":
+    update.NORM_CHUNK = 1 << 40  # the control: one chunk, the fp64 copy of the whole tensor
+shard_with_grad(1 << 20).squared_grad_norms()  # the same code once, small: its kernels and BLAS set up
+shard = shard_with_grad(50_000_000)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+total = shard.squared_grad_norms()
+rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+assert abs(float(total[0]) - 12_500_000.0) < 1e-6, float(total[0])
+print(rise)
+"""
+
+
+def test_global_norm_makes_no_fp64_copy_of_a_whole_tensor():
+    """The peak resident memory while the norm of a 50M-element gradient is computed rises by less than half
+    the fp64 copy of it (381 MiB): a chunk is 8 MiB, and what else the process pages in (allocator, BLAS,
+    kernels: 16.6 MiB on an AMD EPYC, 67.3 MiB on a Xeon with AMX, measured) stays far below; the control,
+    the same code with one chunk for the whole tensor, rises by the whole copy."""
+    copy_mib = 50_000_000 * 8 / 2**20
+    rises = {}
+    for mode in ("chunked", "whole"):
+        proc = run_in_group([sys.executable, "-c", NORM_MEMORY, mode], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rises[mode] = float(proc.stdout.strip().splitlines()[-1])
+    assert rises["chunked"] < copy_mib / 2 <= rises["whole"], (rises, copy_mib)

@@ -1,0 +1,214 @@
+"""Training frameworks that build the DeepSpeed engine themselves (``-m frameworks``): HF Transformers
+``Trainer``, ``accelerate launch --use_deepspeed --deepspeed_config_file`` (a config with "auto" values) and
+Lightning's ``DeepSpeedStrategy``, each on 2 CPU ranks (gloo), exact against the same framework with stock
+ZeRO-2, and each resuming its own checkpoint (saved at step 3 of 6 on 2 ranks) through the framework on 3
+ranks (Lightning: 4, see lightning_run), matching stock ZeRO-2 resumed through the framework on the saving 2
+ranks (Lightning's own resume does not reproduce the uninterrupted run, stock or not; ``FRAMEWORKS_OUT``
+records by how much). The examples are ds_tensorshard/examples/{hf_trainer, accelerate_train,lightning_train}.py;
+tests/helpers/cpu_site lifts the frameworks' "CUDA only" checks (see there).
+The first run installs the ``frameworks`` extra into this venv when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from tests.helpers.compare import ACROSS_WORLDS
+from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+
+pytestmark = pytest.mark.frameworks
+BIN = os.path.dirname(sys.executable)
+# tests/helpers/cpu_site first, and the repository (the tests package) as every test process has it
+CPU_SITE = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "helpers", "cpu_site"), ROOT])}
+RESUME_RANKS, RESUME_ACCUM = 3, 2  # 2 ranks x 3 accumulation = 3 ranks x 2: the same 12 samples per step
+FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["param"]  # compare.py
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frameworks_installed():
+    missing = [m for m in ("transformers", "accelerate", "lightning") if importlib.util.find_spec(m) is None]
+    if missing:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            from tests.helpers.venvs import UNREACHABLE
+
+            if any(word in proc.stdout + proc.stderr for word in UNREACHABLE):
+                pytest.skip(f"cannot install {missing}: the package registry is unreachable")
+            raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+def assert_same_run(ours: dict, reference: dict, where: str, steps=None) -> tuple[float, float]:
+    """Same logged losses (the given steps, default all) and final parameters within fp32 tolerance;
+    returns the largest loss and parameter differences."""
+    steps = sorted(reference["losses"]) if steps is None else steps
+    assert [s for s in steps if s in ours["losses"]] == steps, (where, ours["losses"])
+    loss = max(abs(ours["losses"][s] - reference["losses"][s]) for s in steps)
+    assert loss <= FP32_LOSS, f"{where}: losses {ours['losses']} vs {reference['losses']}"
+    assert ours["params"].keys() == reference["params"].keys(), where
+    param = 0.0
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(
+            ours["params"][name],
+            value,
+            rtol=FP32_PARAM,
+            atol=FP32_PARAM,
+            msg=lambda m, name=name: f"{where} {name}: {m}",
+        )
+        param = max(param, float((ours["params"][name] - value).abs().max()))
+    record(where, loss, param)
+    return loss, param
+
+
+def record(where: str, loss: float, param: float) -> None:
+    if os.environ.get("FRAMEWORKS_OUT"):
+        with open(os.environ["FRAMEWORKS_OUT"], "a") as f:
+            f.write(json.dumps({"run": where, "loss": loss, "param": param}) + "\n")
+
+
+def check_framework(name: str, run, tmp_path, resume_ranks: int = RESUME_RANKS) -> None:
+    """stock ZeRO-2 and ds_tensorshard on 2 ranks, saving at step 3; stock resumed through the framework on
+    the same 2 ranks, ds_tensorshard resumed through it on 3 ranks: the two resumed runs agree."""
+    stock, ours, stock_resumed, resumed = (run(mode, tmp_path) for mode in ("stock", "ts", "stock_resume", "ts_resume"))
+    assert stock["optimizer_class"] == stock_resumed["optimizer_class"] == "DeepSpeedZeroOptimizer"
+    assert ours["optimizer_class"] == resumed["optimizer_class"] == "TensorShardOptimizer"
+    assert sorted(ours["losses"]) == list(range(1, 7))
+    assert_same_run(ours, stock, f"{name}: ds_tensorshard vs stock ZeRO-2, 2 ranks")
+    assert {4, 5, 6} <= set(resumed["losses"]), resumed["losses"]  # (HF keeps the restored history of 1-3 too)
+    assert_same_run(resumed, stock_resumed, f"{name}: resumed on {resume_ranks} ranks vs stock resumed on 2", [4, 5, 6])
+    drift = max(abs(stock_resumed["losses"][s] - stock["losses"][s]) for s in (4, 5, 6))
+    record(f"{name}: stock resumed vs stock uninterrupted (the framework's own resume)", drift, float("nan"))
+
+
+def load(path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+# -- HF Trainer ------------------------------------------------------------------------------------
+def hf_run(mode: str, tmp_path) -> dict:
+    stock = mode.startswith("stock")
+    saved, results = tmp_path / ("stock" if stock else "ts"), tmp_path / f"hf_{mode}.pt"
+    args = ["-m", "ds_tensorshard.examples.hf_trainer", "--results", str(results)] + (["--stock"] if stock else [])
+    ranks = 2
+    if mode.endswith("resume"):
+        args += ["--resume", str(saved / "checkpoint-3"), "--out", str(tmp_path / f"{mode}_out")]
+        if not stock:
+            args += ["--grad-accum", str(RESUME_ACCUM)]
+            ranks = RESUME_RANKS
+    else:
+        args += ["--out", str(saved)]
+    run_ranks(args, ranks, env=CPU_SITE)
+    if mode == "ts":  # the Trainer's checkpoint is ds_tensorshard's: a rank file per saving rank
+        names = sorted(os.listdir(saved / "checkpoint-3" / "global_step3"))
+        assert [n for n in names if n.endswith("optim_states.pt")] == [
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        ]
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt.sha256" in names
+    return load(results)
+
+
+def test_hf_trainer(tmp_path):
+    check_framework("HF Trainer", hf_run, tmp_path)
+
+
+# -- accelerate launch -----------------------------------------------------------------------------
+def accelerate_config(tmp_path, stock: bool) -> str:
+    with open(os.path.join(ROOT, "configs", "accelerate_tensorshard.json")) as f:
+        config = json.load(f)
+    assert config["train_micro_batch_size_per_gpu"] == "auto"  # written the way Accelerate users write it
+    if stock:
+        config.pop("tensorshard")
+    path = tmp_path / f"accelerate_{'stock' if stock else 'ts'}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def accelerate_run(mode: str, tmp_path) -> dict:
+    stock = mode.startswith("stock")
+    results = tmp_path / f"acc_{mode}.pt"
+    ranks, accum = (RESUME_RANKS, RESUME_ACCUM) if mode == "ts_resume" else (2, 3)
+    cmd = [
+        os.path.join(BIN, "accelerate"),
+        "launch",
+        "--use_deepspeed",
+        "--deepspeed_config_file",
+        accelerate_config(tmp_path, stock),
+        "--num_processes",
+        str(ranks),
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "ds_tensorshard.examples.accelerate_train",
+        "--out",
+        str(tmp_path / ("stock" if stock else "ts")),
+        "--grad-accum",
+        str(accum),
+        "--results",
+        str(results),
+    ]
+    if mode.endswith("resume"):
+        cmd += ["--resume", str(tmp_path / ("stock" if stock else "ts") / "step_3")]
+    proc = subprocess.run(
+        cmd, env={**launcher_env(), **CPU_SITE}, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return load(results)
+
+
+def test_accelerate_launch_with_auto_config(tmp_path):
+    check_framework("accelerate launch", accelerate_run, tmp_path)
+
+
+# -- Lightning -------------------------------------------------------------------------------------
+def lightning_run(mode: str, tmp_path) -> dict:
+    stock = mode.startswith("stock")
+    results = tmp_path / f"pl_{mode}.pt"
+    # Lightning restores its loop's batch progress: a resume reproduces stock only with the same batches per
+    # rank per epoch and the same accumulation, so the other world size is 4 ranks of micro batch 1 (not 3 x 2)
+    devices, micro = (4, 1) if mode == "ts_resume" else (2, 2)
+    saved = tmp_path / ("stock" if stock else "ts")
+    cmd = [
+        sys.executable,
+        "-m",
+        "ds_tensorshard.examples.lightning_train",
+        "--devices",
+        str(devices),
+        "--micro-batch",
+        str(micro),
+        "--grad-accum",
+        "3",
+        "--results",
+        str(results),
+    ] + (["--stock"] if stock else [])
+    if mode.endswith("resume"):
+        cmd += ["--resume", str(saved / "step3.ckpt"), "--out", str(tmp_path / f"{mode}_out")]
+    else:
+        cmd += ["--out", str(saved)]
+    env = {**launcher_env(), **CPU_SITE, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return load(results)
+
+
+def test_lightning_deepspeed_strategy(tmp_path):
+    check_framework("Lightning DeepSpeedStrategy", lightning_run, tmp_path, resume_ranks=4)
+
+
+def test_lightning_refuses_cpu_without_the_test_bypass(tmp_path):
+    """What a user sees on a CPU-only machine: Lightning's own refusal (the path runs on CUDA GPUs)."""
+    cmd = [sys.executable, "-m", "ds_tensorshard.examples.lightning_train", "--devices", "1", "--out", str(tmp_path)]
+    env = {**launcher_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
+    assert proc.returncode != 0 and "only supported on CUDA GPUs" in proc.stdout + proc.stderr

@@ -1,0 +1,159 @@
+"""The mpi comm backend and MPI launches (pip's mpich): mpiexec, mpiexec -f HOSTFILE, deepspeed --launcher mpich,
+python -m ds_tensorshard under mpiexec, and the refusal when MPI and torch.distributed worlds differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import WORKERS
+from tests.helpers.compare import assert_run_matches
+from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
+from tests.workers.many_worker import assert_each_model_matches_stock, assert_overlapped
+
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec")
+PLAIN = os.path.join(WORKERS, "plain_train.py")
+CASES = [f"{d}:tsmpi:{s}" for d in ("fp32", "bf16") for s in (2, 1)]  # compared with the torch runs
+
+
+def mpi_env(port: int) -> dict:
+    return {**launcher_env(), "MASTER_PORT": str(port)}
+
+
+def mpiexec(args, n, extra=()):
+    port = free_port()
+    proc = run_in_group([MPIEXEC, *extra, "-n", str(n), sys.executable, *args], env=mpi_env(port), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def results(output: str) -> list[dict]:
+    return sorted(
+        (json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def mpi_world(request, tmp_path_factory, equivalence_runs):
+    """The mpi transport's cases under mpiexec; the others (stock, torch transport) from the same session's
+    equivalence runs at that world size."""
+    n = request.param
+    out = tmp_path_factory.mktemp(f"mpi{n}")
+    mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *CASES], n)
+    torch_runs = equivalence_runs(n)
+    return (
+        n,
+        lambda case, rank: (
+            torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt") if ":tsmpi:" in case else torch_runs(case, rank)
+        ),
+    )
+
+
+def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
+    n, load = mpi_world
+    for dtype in ("fp32", "bf16"):
+        for mpi_case, reference in [
+            (f"{dtype}:tsmpi:2", f"{dtype}:stock:2"),
+            (f"{dtype}:tsmpi:2", f"{dtype}:ts:2"),
+            (f"{dtype}:tsmpi:1", f"{dtype}:stock:1"),
+        ]:
+            for rank in range(n):
+                ours, ref = load(mpi_case, rank), load(reference, rank)
+                assert ours["optimizer_class"] == "TensorShardOptimizer"
+                assert_run_matches(ours, ref, dtype, f"{mpi_case} vs {reference} rank {rank}")
+                assert ours["state_numel"] == 2 * ours["numel_per_rank"][rank]
+
+
+def test_mpiexec_runs_unmodified_script_through_the_module_runner():
+    found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi", "--port", str(free_port())], 2))
+    assert [(r["rank"], r["optimizer"], r["transport"]) for r in found] == [
+        (0, "TensorShardOptimizer", "MpiComm"),
+        (1, "TensorShardOptimizer", "MpiComm"),
+    ]
+    assert found[0]["params_digest"] == found[1]["params_digest"]
+
+
+def test_mpiexec_with_hostfile_and_torch_backend(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:3\n")
+    found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--port", str(free_port())], 3, ["-f", str(hostfile)]))
+    assert [(r["rank"], r["transport"]) for r in found] == [(0, "TorchComm"), (1, "TorchComm"), (2, "TorchComm")]
+
+
+def test_deepspeed_launcher_mpich_with_hostfile(tmp_path):
+    # DeepSpeed 0.19.8's mpich runner breaks on --module (it passes -m to its own helper script), so the
+    # runner is given ds_tensorshard/__main__.py as the script, as launch/deepspeed_mpi.sh does
+    import ds_tensorshard.__main__ as runner
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = [
+        os.path.join(BIN, "deepspeed"),
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "mpich",
+        "--force_multi",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        runner.__file__,
+        PLAIN,
+        "--comm-backend",
+        "mpi",
+    ]
+    proc = run_in_group(cmd, env=mpi_env(free_port()), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    found = results(proc.stdout)
+    assert [(r["rank"], r["transport"]) for r in found] == [(0, "MpiComm"), (1, "MpiComm")]
+
+
+def test_mpi_backend_under_a_non_mpi_launcher_is_refused_with_the_launcher_to_use():
+    outputs = run_ranks(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi"], 2, check=False)
+    for out in outputs:
+        assert "needs the MPI world to be the torch.distributed world" in out, out[-3000:]
+        assert "mpiexec -n N python train.py" in out
+        assert "RESULT" not in out
+
+
+def test_comm_bench_reports_both_backends():
+    out = mpiexec(
+        ["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1000", "--repeats", "1", "--port", str(free_port())], 2
+    )
+    rows = [json.loads(line[len("COMM ") :]) for line in out.splitlines() if line.startswith("COMM ")]
+    assert [(r["backend"], r["ranks"], r["numel"]) for r in rows] == [("torch", 2, 1000), ("mpi", 2, 1000)]
+    assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
+    for mode in ("stock", "step_many_mpi"):
+        mpiexec([os.path.join(WORKERS, "many_worker.py"), str(tmp_path), mode], 2)
+    for rank in range(2):
+        joint = torch.load(tmp_path / f"step_many_mpi.rank{rank}.pt")
+        assert_each_model_matches_stock(joint, torch.load(tmp_path / f"stock.rank{rank}.pt"))
+        assert_overlapped(joint)
+
+
+def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
+    cases = [
+        f"{s}:{m}" for s in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1") for m in ("stock", "tsmpi")
+    ]
+    mpiexec([os.path.join(WORKERS, "feature_worker.py"), str(tmp_path), *cases], 2)
+    for scenario in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1"):
+        for rank in range(2):
+            ours = torch.load(tmp_path / f"{scenario}_tsmpi.rank{rank}.pt")
+            assert ours["optimizer_class"] == "TensorShardOptimizer"
+            assert_run_matches(
+                ours,
+                torch.load(tmp_path / f"{scenario}_stock.rank{rank}.pt"),
+                "fp32" if scenario == "no_sync_stage1" else "bf16",
+                f"{scenario} rank {rank}",
+            )

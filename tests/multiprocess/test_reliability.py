@@ -1,0 +1,198 @@
+"""Failures injected into real runs (hang_worker.py): every surviving rank ends within the deadline plus a
+few seconds, saying where and which rank is missing; a killed rank takes the job down promptly.
+
+tensorshard.timeout_s is 5 s here. A rank that stops (SIGSTOP, mid-backward) leaves the others waiting in
+a reduce: they raise naming the step, the bucket and its first tensor, the transport and the missing rank
+(torch transport), or abort the MPI job so that mpiexec returns (mpi transport). A rank that skips a step
+is caught at the next global-norm all-reduce on both transports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import WORKERS
+from tests.helpers.ranks import free_port, launcher_env, start_ranks
+
+WORKER = os.path.join(WORKERS, "hang_worker.py")
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+TIMEOUT_S, GRACE_S, SLACK_S = 5.0, 3.0, 8.0  # deadline, the diagnosis' wait, process exit and teardown
+
+
+def events(text: str) -> dict[str, float]:
+    return {name: float(t) for name, t in re.findall(r"EVENT (\S+) ([\d.]+)", text)}
+
+
+def run_ranks_until_rank0_ends(mode: str) -> tuple[int, float, str, str]:
+    """Two ranks (torch transport); returns rank 0's exit code, exit time and output, and rank 1's output."""
+    ranks = start_ranks([WORKER, mode, "torch", str(TIMEOUT_S)], 2)
+    try:
+        code = ranks[0].wait(time.monotonic() + 180)
+        ended = time.time()
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert code is not None, f"rank 0 ({mode}) did not end within 180 s"
+    return code, ended, ranks[0].text(), ranks[1].text()
+
+
+def run_mpiexec(mode: str) -> tuple[int, float, str]:
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", sys.executable, WORKER, mode, "mpi", str(TIMEOUT_S)],
+        env={**launcher_env(), "MASTER_PORT": str(free_port())},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    return proc.returncode, time.time(), out
+
+
+def test_stopped_rank_torch_transport_others_raise_within_the_deadline():
+    code, ended, out0, out1 = run_ranks_until_rank0_ends("stop")
+    stopped = events(out1)["stop"]
+    print(f"torch transport, rank 1 stopped: rank 0 ended {ended - stopped:.1f} s later")
+    assert code != 0 and "step2" not in events(out0)
+    assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
+    assert re.search(
+        r"ds_tensorshard: step 2, reduce of bucket \d+ of \d+ \(first tensor '[\w.]+', [\d,]+ elements\): "
+        r"reduce to rank \d did not complete within tensorshard.timeout_s=5 s on the torch \(gloo\) "
+        r"transport; ranks that have not arrived: \[1\]",
+        out0,
+    ), out0[-3000:]
+
+
+def test_stopped_rank_mpi_transport_aborts_the_job_within_the_deadline():
+    code, ended, out = run_mpiexec("stop")
+    stopped = events(out)["stop"]
+    print(f"mpi transport, rank 1 stopped: mpiexec returned {ended - stopped:.1f} s later")
+    assert code != 0 and "done" not in events(out)
+    assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
+    assert re.search(
+        r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi transport; ranks that have not "
+        r"arrived: \[1\]",
+        out,
+    ), out[-3000:]
+
+
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
+def test_rank_that_skips_a_step_leaves_the_others_to_the_deadline_naming_it(transport):
+    """Rank 1 skips a step (its data ran out) and ends one step early: rank 0's last step waits for it."""
+    if transport == "torch":
+        code, ended, out0, out1 = run_ranks_until_rank0_ends("skip")
+        out = out0 + out1
+        assert "done" not in events(out0) and "done" in events(out1)
+    else:
+        code, ended, out = run_mpiexec("skip")
+        assert out.count("EVENT done") == 1  # rank 1's alone
+    assert code != 0
+    print(f"{transport} transport, rank 1 ended a step early: rank 0 ended {ended - events(out)['done']:.1f} s later")
+    assert ended - events(out)["done"] <= TIMEOUT_S + GRACE_S + SLACK_S
+    transport_name = r"torch \(gloo\)" if transport == "torch" else "mpi"
+    assert re.search(
+        rf"ds_tensorshard: step 5, reduce of bucket \d+ .* on the {transport_name} transport; ranks that "
+        rf"have not arrived: \[1\]",
+        out,
+    ), out[-3000:]
+
+
+@pytest.mark.parametrize("transport", ["torch", "mpi"])
+def test_ranks_at_different_steps_are_named_at_the_first_norm(transport):
+    if transport == "torch":
+        code, ended, out, out1 = run_ranks_until_rank0_ends("offset")
+        out += out1
+    else:
+        code, ended, out = run_mpiexec("offset")
+    assert code != 0 and "step0" not in events(out)
+    assert "the ranks of the data-parallel group are at different optimizer steps" in out, out[-3000:]
+    assert "a rank skipped or repeated a step" in out
+
+
+def test_killed_rank_ends_the_job_promptly_under_both_launchers(tmp_path):
+    deepspeed = [
+        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        WORKER,
+        "kill",
+        "torch",
+        "600",
+    ]
+    for name, command in (
+        ("deepspeed", deepspeed),
+        ("mpiexec", [MPIEXEC, "-n", "2", sys.executable, WORKER, "kill", "mpi", "600"]),
+    ):
+        log = tmp_path / f"{name}.events"
+        proc = subprocess.Popen(
+            command,
+            env={**launcher_env(), "MASTER_PORT": str(free_port()), "HANG_EVENTS": str(log)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out = proc.communicate(timeout=180)[0]
+            ended = time.time()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+        killed = events(log.read_text())["kill"]
+        print(f"{name}: rank 1 SIGKILLed, the launcher returned {ended - killed:.1f} s later (rc {proc.returncode})")
+        assert proc.returncode != 0 and ended - killed <= 15, (name, ended - killed, out[-2000:])
+
+
+def test_save_that_fails_on_one_rank_fails_everywhere_and_loses_nothing(tmp_path):
+    import torch
+
+    from tests.helpers.ranks import run_ranks
+
+    worker = os.path.join(WORKERS, "checkpoint_worker.py")
+    save = tmp_path / "c"
+    outputs = run_ranks(
+        [
+            worker,
+            str(tmp_path / "failed.pt"),
+            "fp32",
+            "ts",
+            "2",
+            "6",
+            "--save",
+            str(save),
+            "--save-at",
+            "2",
+            "4",
+            "--fail-save-at",
+            "4",
+        ],
+        2,
+        check=False,
+    )
+    for out in outputs:  # every rank reports it, naming rank 1's file (torch's zip writer words EFBIG its own way)
+        assert re.search(
+            r"SAVE FAILED saving checkpoint .*step4 failed on rank 1 \(.*zero_pp_rank_1_mp_rank_00_optim_"
+            r"states\.pt: \w+Error: .*\); nothing of it was kept and 'latest' was not moved",
+            out,
+        ), out[-3000:]
+    assert (save / "latest").read_text() == "step2"
+    names = set(os.listdir(save))  # nothing of the failed save: no tag folder, no staging folder
+    assert "step2" in names and "step4" not in names and not any(n.startswith(".") for n in names), names
+    run_ranks([worker, str(tmp_path / "ref.pt"), "fp32", "ts", "2", "6"], 2)
+    run_ranks([worker, str(tmp_path / "resumed.pt"), "fp32", "ts", "2", "6", "--load", str(save)], 2)
+    ref, resumed = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "resumed.pt")
+    assert sorted(resumed["losses"]) == [2, 3, 4, 5]
+    assert all(resumed["losses"][k] == ref["losses"][k] for k in resumed["losses"])  # bit for bit
+    assert all(torch.equal(resumed["params"][k], v) for k, v in ref["params"].items())

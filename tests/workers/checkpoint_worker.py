@@ -1,0 +1,125 @@
+"""One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
+
+python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
+    [--die-during-save-at K] [--universal] [--split auto|never] [--optimizer NAME]
+
+The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
+batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
+up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
+mean loss of each step run here and the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import signal
+import sys
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.errors import CheckpointError
+from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.optimizers import setup
+from tests.helpers.tiny_gpt import TinyGPT
+from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+
+GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
+
+
+def sample(step: int, index: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(100_000 * step + index))
+
+
+def die_inside_torch_save() -> None:
+    """From now on, torch.save writes half a file and the process is SIGKILLed: a crash mid-save."""
+    real_save = torch.save
+
+    def save_then_die(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        os.truncate(f, os.path.getsize(f) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save_then_die
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("dtype")
+    parser.add_argument("mode")
+    parser.add_argument("stage", type=int)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--load")
+    parser.add_argument("--save")
+    parser.add_argument("--save-at", type=int, nargs="+", default=[])
+    parser.add_argument("--die-during-save-at", type=int, help="rank 1 is killed while writing this save")
+    parser.add_argument(
+        "--fail-save-at",
+        type=int,
+        help="rank 1 may write no file over 64 KiB (ulimit -f) during this save; every rank then "
+        "prints the error and exits 3",
+    )
+    parser.add_argument("--universal", action="store_true")
+    parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
+    parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
+    args = parser.parse_args()
+    get_accelerator().is_fp16_supported = lambda: True
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
+    micro_batch = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 1
+    gas = GLOBAL_BATCH // (micro_batch * world)
+    config = ds_config(args.dtype, args.mode, args.stage, world, args.split)
+    config.update(
+        gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=micro_batch
+    )
+    if args.universal:
+        config["checkpoint"] = {"load_universal": True}
+    torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
+    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    client = setup(args.optimizer, model, config) if args.optimizer else None
+    groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, optimizer=client)
+    if args.load:
+        path, client_state = engine.load_checkpoint(args.load)
+        assert path is not None, f"nothing loaded from {args.load}"
+        assert client_state.get("marker") == "kept", client_state
+    losses = {}
+    while engine.global_steps < args.steps:
+        step = engine.global_steps
+        total = torch.zeros(())
+        for micro in range(gas):
+            first = (micro * world + rank) * micro_batch
+            tokens = torch.stack([sample(step, first + i) for i in range(micro_batch)])
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        torch.distributed.all_reduce(total)
+        losses[step] = total.item() / (gas * world)
+        if args.save and engine.global_steps in args.save_at:
+            if engine.global_steps == args.die_during_save_at and rank == 1:
+                die_inside_torch_save()
+            if engine.global_steps == args.fail_save_at and rank == 1:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+                resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+            try:
+                engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
+            except CheckpointError as err:
+                print(f"SAVE FAILED {err}", flush=True)
+                close_process_group()
+                sys.exit(3)
+    if rank == 0:
+        torch.save(
+            {"losses": losses, "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
+            args.out,
+        )
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""One rank of the fidelity runs: DeepSpeed features trained with stock ZeRO and with ds_tensorshard.
+
+Usage (per rank, RANK/WORLD_SIZE/MASTER_* set, or under mpiexec): python feature_worker.py OUT CASE [CASE...]
+CASE = SCENARIO:MODE with MODE stock, ts or tsmpi. Writes OUT/SCENARIO_MODE.rankR.pt with per-micro-step
+losses, per-step grad norms and loss scales, skipped steps and the final parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.tiny_gpt import TinyGPT
+from tests.workers.equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_groups
+
+# scenario -> (dtype, stage, gradient accumulation steps, optimizer steps, top-level keys, zero_optimization keys)
+SCENARIOS = {
+    "no_sync_stage1": ("fp32", 1, 1, 4, {}, {}),
+    "fp16_stage1_scale": (
+        "fp16",
+        1,
+        2,
+        32,
+        {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 3, "hysteresis": 1}},
+        {},
+    ),
+    "bf16_comm_fp32": ("bf16", 2, 2, 5, {"communication_data_type": "fp32"}, {}),
+    "bf16_accum_fp32_stage1": ("bf16", 1, 3, 5, {"data_types": {"grad_accum_dtype": "fp32"}}, {}),
+    "zero_numel": ("fp32", 2, 2, 5, {}, {}),
+    "predivide_stage1": ("fp32", 1, 2, 5, {"gradient_predivide_factor": 2.0}, {"reduce_scatter": False}),
+    "predivide_stage2": ("fp32", 2, 2, 5, {"gradient_predivide_factor": 2.0}, {"reduce_scatter": False}),
+    "prescale_stage1": ("fp32", 1, 2, 5, {"prescale_gradients": True}, {}),
+    "no_reduce_scatter_stage2": ("fp32", 2, 2, 5, {}, {"reduce_scatter": False}),
+    "no_contiguous_stage2": ("fp32", 2, 2, 5, {}, {"contiguous_gradients": False}),
+}
+
+
+class WithEmptyParameter(TinyGPT):
+    """TinyGPT with a zero-element trainable parameter (stock ZeRO drops it)."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=VOCAB, seq=SEQ)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+
+def run_case(case: str, out_dir: str) -> None:
+    scenario, mode = case.split(":")
+    dtype, stage, gas, steps, top, zero = SCENARIOS[scenario]
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    config = ds_config(dtype, mode, stage, world)
+    config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
+    config["zero_optimization"].update(zero)
+    torch.manual_seed(1234)
+    model = WithEmptyParameter() if scenario == "zero_numel" else TinyGPT(vocab=VOCAB, seq=SEQ)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    losses, norms, scales = [], [], []
+    micro = 0
+    for _ in range(steps):
+        if scenario == "no_sync_stage1":  # two backwards without reduction, then one with it
+            with engine.no_sync():
+                for _ in range(2):
+                    engine.backward(engine(batch(rank, micro)))
+                    micro += 1
+        for _ in range(gas):
+            loss = engine(batch(rank, micro).to(engine.device))
+            engine.backward(loss)
+            scales.append(float(optimizer.loss_scale) if hasattr(optimizer, "loss_scale") else 1.0)
+            engine.step()
+            losses.append(loss.item())
+            micro += 1
+        norms.append(float(engine.get_global_grad_norm() or 0.0))
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "loss_scales": scales,
+        "skipped_steps": engine.skipped_steps,
+        "optimizer_class": type(optimizer).__name__,
+        "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    }
+    torch.save(result, os.path.join(out_dir, f"{scenario}_{mode}.rank{rank}.pt"))
+
+
+def main() -> None:
+    out_dir, cases = sys.argv[1], sys.argv[2:]
+    get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    for case in cases:
+        run_case(case, out_dir)
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Checks that need one CUDA GPU, run by launch/gpu_check.sh (not collected by pytest).
+
+    python -m tests.workers.gpu_check mpi OUT         two ranks on the GPU, mpi transport, vs stock ZeRO-2 on the CPU
+    python -m tests.workers.gpu_check checkpoint OUT  save at step 3 and resume on CUDA vs the uninterrupted run
+    python -m tests.workers.gpu_check fused OUT       DeepSpeed's FusedLamb (vs stage 0), FusedLion (vs ZeRO-2), CUDA
+
+Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tests.helpers import ROOT, WORKERS
+from tests.helpers.compare import ACROSS_WORLDS, TOLERANCE
+from tests.helpers.ranks import free_port, launcher_env, run_in_group, run_ranks
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+GPU_VS_CPU = dict(loss=1e-4, param=1e-3)  # other kernels (cuBLAS vs CPU GEMM), same math
+
+
+def mpiexec(args: list[str], env: dict) -> None:
+    proc = run_in_group(
+        [MPIEXEC, "-n", "2", sys.executable, *args],
+        env={**launcher_env(), "MASTER_PORT": str(free_port()), **env},
+        timeout=200,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+def check_mpi(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    worker = os.path.join(WORKERS, "equivalence_worker.py")
+    mpiexec([worker, out, "fp32:stock:2", "bf16:stock:2"], {"DS_ACCELERATOR": "cpu", "DIST_BACKEND": "gloo"})
+    stock = {d: [torch.load(f"{out}/{d}_stock_2.rank{r}.pt") for r in range(2)] for d in ("fp32", "bf16")}
+    mpiexec([worker, out, "fp32:tsmpi:2", "bf16:tsmpi:2"], {"DS_ACCELERATOR": "cuda", "DIST_BACKEND": "gloo"})
+    worst = {}
+    for dtype in ("fp32", "bf16"):
+        for rank in range(2):
+            ours = torch.load(f"{out}/{dtype}_tsmpi_2.rank{rank}.pt")
+            loss = max(abs(a - b) for a, b in zip(ours["losses"], stock[dtype][rank]["losses"]))
+            param = max((ours["params"][k] - v).abs().max().item() for k, v in stock[dtype][rank]["params"].items())
+            worst[dtype] = max(worst.get(dtype, (0, 0)), (loss, param))
+            limit = GPU_VS_CPU if dtype == "fp32" else TOLERANCE["bf16"]
+            assert loss <= limit["loss"] and param <= (limit.get("param") or limit["atol"]), (dtype, rank, loss, param)
+    from mpi4py import MPI
+
+    cuda_aware = bool(getattr(MPI, "Query_cuda_support", lambda: False)())
+    print(
+        f"NOTE {'CUDA-aware MPI, direct' if cuda_aware else 'host staging (MPI not CUDA-aware)'}; "
+        f"max |loss diff| fp32 {worst['fp32'][0]:.1e} bf16 {worst['bf16'][0]:.1e}"
+    )
+
+
+def check_checkpoint(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    worker = os.path.join(WORKERS, "checkpoint_worker.py")
+    env = {"DS_ACCELERATOR": "cuda"}
+    run_ranks([worker, f"{out}/ref.pt", "fp32", "ts", "2", "6", "--save", f"{out}/c", "--save-at", "3"], 1, env=env)
+    run_ranks([worker, f"{out}/resumed.pt", "fp32", "ts", "2", "6", "--load", f"{out}/c"], 1, env=env)
+    ref, resumed = torch.load(f"{out}/ref.pt"), torch.load(f"{out}/resumed.pt")
+    diff = max(abs(resumed["losses"][s] - ref["losses"][s]) for s in resumed["losses"])
+    assert sorted(resumed["losses"]) == [3, 4, 5] and diff <= ACROSS_WORLDS["fp32"]["loss"], diff
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=ACROSS_WORLDS["fp32"]["param"])
+    print(f"NOTE resumed at step 3, max |loss diff| {diff:.1e}")
+
+
+def check_fused(out: str) -> None:
+    from tests.helpers.compare import assert_run_matches
+
+    os.makedirs(out, exist_ok=True)
+    cases = ["fusedlamb:fp32:stock:0", "fusedlamb:fp32:ts:2", "fusedlion:fp32:stock:2", "fusedlion:fp32:ts:2"]
+    run_ranks([os.path.join(WORKERS, "optim_worker.py"), out, *cases], 1, env={"DS_ACCELERATOR": "cuda"})
+    load = lambda case: torch.load(f"{out}/{case.replace(':', '_')}.rank0.pt")  # noqa: E731
+    lamb_reference = {k: v for k, v in load("fusedlamb:fp32:stock:0").items() if k != "norms"}
+    assert_run_matches(load("fusedlamb:fp32:ts:2"), lamb_reference, "fp32", "FusedLamb vs stage 0")
+    assert_run_matches(load("fusedlion:fp32:ts:2"), load("fusedlion:fp32:stock:2"), "fp32", "FusedLion vs ZeRO-2")
+    print(
+        f"NOTE inner optimizers {load('fusedlamb:fp32:ts:2')['inner_class']}, "
+        f"{load('fusedlion:fp32:ts:2')['inner_class']}"
+    )
+
+
+if __name__ == "__main__":
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
+    )  # ranks import tests
+    {"mpi": check_mpi, "checkpoint": check_checkpoint, "fused": check_fused}[sys.argv[1]](sys.argv[2])
