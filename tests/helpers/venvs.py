@@ -95,7 +95,12 @@ def ensure(spec: VenvSpec) -> VenvSpec:
         if not os.path.isfile(spec.python):
             subprocess.run([sys.executable, "-m", "venv", spec.path], check=True)
         _pip(spec, spec.torch)
-        _pip(spec, *spec.packages)
+        # DeepSpeed releases are source distributions whose setup imports torch: built against the venv's own
+        # torch (pip's isolated build environment has none; a machine with no cached wheel fails without this)
+        _pip(spec, "--no-build-isolation", *(p for p in spec.packages if p.startswith("deepspeed")))
+        others = [p for p in spec.packages if not p.startswith("deepspeed")]
+        if others:
+            _pip(spec, *others)
         _pip(spec, "--no-deps", "-e", ROOT)
         with open(stamp, "w") as f:
             f.write(spec.stamp_text())
