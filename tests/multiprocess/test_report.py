@@ -10,30 +10,16 @@ import time
 
 from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.commands.plan_report import plan_report
+from tests.helpers.configs import GOOD, write
 from tests.helpers.ranks import launcher_env
 
 CLI = os.path.join(os.path.dirname(sys.executable), "ds-tensorshard")
-
-GOOD = {
-    "train_batch_size": 8,
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000},
-    "tensorshard": {"enabled": True, "comm_backend": "mpi", "split_tensors": "never"},
-}
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [CLI, "report", *args], capture_output=True, text=True, timeout=180, env={**launcher_env(), **(env or {})}
     )
-
-
-def write(tmp_path, config: dict, name: str = "ds_config.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
 def test_cli_names_a_stale_lock_and_how_to_remove_it(tmp_path):

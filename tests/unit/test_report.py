@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,21 +15,7 @@ from ds_tensorshard.commands import report
 from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.commands.plan_report import plan_report
 from ds_tensorshard.errors import TensorShardConfigError
-
-GOOD = {
-    "train_batch_size": 8,
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000},
-    "tensorshard": {"enabled": True, "comm_backend": "mpi", "split_tensors": "never"},
-}
-
-
-def write(tmp_path, config: dict, name: str = "ds_config.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(config))
-    return str(path)
+from tests.helpers.configs import GOOD, write
 
 
 def test_versions_mpi_library_and_transports_of_this_machine():
