@@ -238,12 +238,14 @@ _SERVERS: dict[int, _ForkServer] = {}
 
 def _server(index: int, env: dict) -> _ForkServer | None:
     """The fork server for rank ``index`` (one per rank index: each its own hash seed), or None where ``env``
-    changes what an interpreter fixes at start-up (then the rank is a fresh ``python``)."""
-    if forkserver.startup_env(env) != forkserver.startup_env(_server_env()):
-        return None
-    if index not in _SERVERS:
-        _SERVERS[index] = _ForkServer(_server_env())
-    return _SERVERS[index]
+    sets what an interpreter fixes at start-up otherwise than the server was started with (then the rank is
+    a fresh ``python``)."""
+    server = _SERVERS.get(index)
+    if server is None:
+        if forkserver.startup_env(env) != forkserver.startup_env(_server_env()):
+            return None
+        server = _SERVERS[index] = _ForkServer(_server_env())
+    return server if forkserver.startup_env(env) == server.startup else None
 
 
 def _server_env() -> dict:
