@@ -15,6 +15,15 @@ runpy.run_path(os.path.join(SITE, "sitecustomize.py"))  # and this process
 import pytest  # noqa: E402  (after the environment every test process inherits)
 
 
+@pytest.fixture(autouse=True)
+def no_shared_memory_left():
+    """After each test, DeepSpeed's /dev/shm segments of the test's launches are removed (ranks/launch_segments)."""
+    yield
+    from tests.helpers.ranks import remove_launch_segments
+
+    remove_launch_segments()
+
+
 @pytest.fixture(scope="session")
 def single_rank_world():
     """torch.distributed in the test process itself: one gloo rank."""

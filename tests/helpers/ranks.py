@@ -7,6 +7,7 @@ whole group is killed, so that no rank outlives its test (a launcher's ranks inc
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import select
@@ -18,10 +19,37 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ds_tensorshard.bench.runner import free_port, kill_group
+from ds_tensorshard.bench import runner
+from ds_tensorshard.bench.runner import kill_group
 from tests.helpers import forkserver
 
 TIMEOUT_S = 600
+_LAUNCH_PORTS: set[int] = set()  # the ports free_port handed out since remove_launch_segments last ran
+
+
+def free_port() -> int:
+    """A TCP port for one launch's rendezvous; its /dev/shm segments go at :func:`remove_launch_segments`."""
+    port = runner.free_port()
+    _LAUNCH_PORTS.add(port)
+    return port
+
+
+def launch_segments(port: int) -> list[str]:
+    """The shared-memory segments of DeepSpeed's CPU all-reduce op for the launch on ``port``. The op makes
+    one per rank (69 MB) wherever ``LOCAL_SIZE`` equals the world size, as the deepspeed launcher sets it,
+    names it for ``MASTER_ADDR`` and ``MASTER_PORT``, and never unlinks it."""
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
+
+
+def remove_launch_segments() -> None:
+    """Remove the segments of every launch on a port :func:`free_port` gave out (none of anyone else's)."""
+    for port in _LAUNCH_PORTS:
+        for path in launch_segments(port):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    _LAUNCH_PORTS.clear()
 
 
 def rank_env(rank: int, world: int, port: int, extra: dict | None = None) -> dict:
@@ -146,16 +174,15 @@ def launcher_env() -> dict:
 
 
 def run_deepspeed_launcher(args: Sequence[str], num_gpus: int, timeout: float = TIMEOUT_S) -> str:
-    """``deepspeed --num_gpus N --master_port P ARGS`` on this machine's CPUs; returns all ranks' output."""
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "deepspeed"),
-        "--num_gpus",
-        str(num_gpus),
-        "--master_port",
-        str(free_port()),
-        *args,
-    ]
-    proc = run_in_group(cmd, timeout=timeout, env=launcher_env())
+    """``deepspeed --num_gpus N --master_port P ARGS`` on this machine's CPUs; returns all ranks' output.
+    The launch's /dev/shm segments are removed when it ends."""
+    port = free_port()
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(num_gpus)]
+    try:
+        proc = run_in_group([*cmd, "--master_port", str(port), *args], timeout=timeout, env=launcher_env())
+    finally:
+        for path in launch_segments(port):
+            os.remove(path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

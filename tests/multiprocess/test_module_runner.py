@@ -1,5 +1,6 @@
 """``python -m ds_tensorshard SCRIPT``: an unmodified script runs with the plugin, also under the deepspeed launcher."""
 
+import glob
 import json
 import os
 import sys
@@ -37,6 +38,9 @@ def test_deepspeed_launcher_with_module_flag_runs_unmodified_script():
     assert all(r["optimizer"] == "TensorShardOptimizer" for r in found)
     assert [r["local_rank"] for r in found] == [0, 1]  # --local_rank reached the script
     assert sum(found[0]["numel_per_rank"]) == 8 * 16 + 16 + 16 + 1
+    # the launcher sets LOCAL_SIZE, so DeepSpeed's shm all-reduce made one segment per rank; the launch removed them
+    assert [r["shm_segments"] for r in found] == [2, 2]
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{found[0]['master_port']}_*") == []
 
 
 def test_plain_python_without_the_runner_gets_stock_deepspeed():

@@ -6,6 +6,7 @@ Run through ``python -m ds_tensorshard`` the config's tensorshard block takes ef
 
 import argparse
 import gc
+import glob
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ line = "RESULT " + json.dumps(
     {
         "rank": engine.global_rank,
         "local_rank": args.local_rank,
+        "master_port": os.environ.get("MASTER_PORT"),
         "transport": type(getattr(optimizer, "comm", None)).__name__,
         "optimizer": type(optimizer).__name__,
         "params_digest": hashlib.sha1(
@@ -53,6 +55,8 @@ line = "RESULT " + json.dumps(
         ).hexdigest(),
         "moved": any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), initial)),
         "numel_per_rank": list(optimizer.plan.numel_per_rank) if hasattr(optimizer, "plan") else None,
+        # DeepSpeed's CPU all-reduce segments of this launch (see tests/helpers/ranks.py launch_segments)
+        "shm_segments": len(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_PORT')}_*")),
     }
 )
 os.write(1, (line + "\n").encode())
