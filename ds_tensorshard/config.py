@@ -6,6 +6,8 @@ optimizer state exists, and raises :class:`TensorShardConfigError` naming the of
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ds_tensorshard.errors import TensorShardConfigError
 
 BLOCK = "tensorshard"
+ENV_SWITCH, ENV_CONFIG = "DS_TENSORSHARD", "DS_TENSORSHARD_CONFIG"  # turn the plugin on for configs built in code
 DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in flight cost little memory
 
 
@@ -48,21 +51,42 @@ class TensorShardConfig(BaseModel):
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
-    """Parse and validate the ``tensorshard`` block of a DeepSpeed config dict."""
-    raw = param_dict.get(BLOCK, {})
+    """Parse and validate the ``tensorshard`` block of a DeepSpeed config dict, or, where the config has none,
+    what the environment switch asks for: ``DS_TENSORSHARD=1`` with the keys in ``DS_TENSORSHARD_CONFIG``."""
+    raw, where = _requested_block(param_dict)
     if not isinstance(raw, Mapping):
-        raise TensorShardConfigError(f"'{BLOCK}' must be a JSON object, got {type(raw).__name__}")
+        raise TensorShardConfigError(f"'{where}' must be a JSON object, got {type(raw).__name__}")
     try:
         return TensorShardConfig(**raw)
     except ValidationError as err:
         first = err.errors()[0]
-        key = ".".join(str(part) for part in (BLOCK, *first["loc"]))
+        key = ".".join(str(part) for part in (where, *first["loc"]))
         if first["type"] == "extra_forbidden":
             known = ", ".join(TensorShardConfig.model_fields)
             raise TensorShardConfigError(f"unknown key '{key}' (known keys: {known})") from None
         raise TensorShardConfigError(
             f"invalid value for '{key}': {first['msg']} (got {first.get('input')!r})"
         ) from None
+
+
+def from_environment(param_dict: Mapping[str, Any]) -> bool:
+    """Whether the plugin is on through ``DS_TENSORSHARD=1`` rather than the config's own block."""
+    if BLOCK in param_dict:
+        return False
+    switch = os.environ.get(ENV_SWITCH, "0")
+    if switch not in ("0", "1"):
+        raise TensorShardConfigError(f"environment variable {ENV_SWITCH}={switch!r}: use 1 (on) or 0 (off)")
+    return switch == "1"
+
+
+def _requested_block(param_dict: Mapping[str, Any]) -> tuple[Any, str]:
+    if not from_environment(param_dict):
+        return param_dict.get(BLOCK, {}), BLOCK
+    try:
+        keys = json.loads(os.environ.get(ENV_CONFIG) or "{}")
+    except json.JSONDecodeError as err:
+        raise TensorShardConfigError(f"environment variable {ENV_CONFIG} is not valid JSON: {err}") from None
+    return ({"enabled": True, **keys} if isinstance(keys, Mapping) else keys), ENV_CONFIG
 
 
 def _offload_device(block: Any) -> str | None:
@@ -73,12 +97,15 @@ def _offload_device(block: Any) -> str | None:
 
 
 def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any = None) -> TensorShardConfig | None:
-    """Check a whole DeepSpeed config for ds_tensorshard; ``None`` when the plugin is not enabled."""
+    """Check a whole DeepSpeed config for ds_tensorshard; ``None`` when the plugin is not enabled or the engine
+    has no ZeRO-1/2 optimizer to replace (stage 0, no optimizer; stage 3 only under the environment switch)."""
     config = parse_block(param_dict)
     if not config.enabled:
         return None
     zero = param_dict.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
+    if stage == 0 or (stage == 3 and from_environment(param_dict)):
+        return _runs_as_stock(f"'zero_optimization.stage' {stage}")
     if stage not in (1, 2):
         raise TensorShardConfigError(
             f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary) or 2 "
@@ -123,9 +150,7 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:
-            raise TensorShardConfigError(
-                f"'{BLOCK}.enabled' needs an 'optimizer' block (or a client optimizer given to deepspeed.initialize)"
-            )
+            return _runs_as_stock("no optimizer (no 'optimizer' block, none given to deepspeed.initialize)")
         refused = REFUSED_TYPES.get(str(opt_type).lower())
         if refused is not None:
             raise TensorShardConfigError(
@@ -134,6 +159,13 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     elif isinstance(client_optimizer, torch.optim.Optimizer):
         check_supported(client_optimizer)
     return config
+
+
+def _runs_as_stock(why: str) -> None:
+    """The engine has nothing for the plugin to replace: say so once, on rank 0, and leave it to stock."""
+    from deepspeed.utils import log_dist
+
+    log_dist(f"ds_tensorshard: {why}: no ZeRO-1/2 optimizer to replace, this engine runs as stock DeepSpeed", [0])
 
 
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:

@@ -26,6 +26,7 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
+from ds_tensorshard.config import parse_block
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.optimizer import TensorShardOptimizer
@@ -69,13 +70,12 @@ def joint_plan_of(model: torch.nn.Module) -> OwnershipPlan | None:
 
 
 def _split_mode(item: Mapping[str, Any]) -> SplitMode:
-    """``tensorshard.split_tensors`` of one item's config (a dict or a JSON file)."""
+    """``tensorshard.split_tensors`` of one item's config (a dict or a JSON file; or the environment switch's)."""
     config = item.get("config", item.get("config_params"))
     if isinstance(config, str):
         with open(config) as f:
             config = json.load(f)
-    block = (config or {}).get("tensorshard") or {} if isinstance(config, Mapping) else {}
-    return block.get("split_tensors", "auto") if isinstance(block, Mapping) else "auto"
+    return parse_block(config).split_tensors if isinstance(config, Mapping) else "auto"
 
 
 def step_many(engines: Sequence[Any]) -> None:

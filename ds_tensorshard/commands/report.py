@@ -318,7 +318,8 @@ def check_config(config: Mapping[str, Any], world_size: int | None = None) -> di
     result["tensorshard"] = (
         "accepted: " + json.dumps(enabled.model_dump())
         if enabled is not None
-        else "not enabled (no 'tensorshard' block with \"enabled\": true): DeepSpeed runs as stock"
+        else "not enabled (no 'tensorshard' block with \"enabled\": true, or no ZeRO-1/2 optimizer to replace): "
+        "DeepSpeed runs as stock"
     )
     result["accepted"] = True
     result["enabled"] = enabled is not None

@@ -58,6 +58,14 @@ def test_python_m_runner_single_process():
     assert [r["optimizer"] for r in results(proc.stdout)] == ["TensorShardOptimizer"]
 
 
+def test_environment_switch_turns_the_plugin_on_for_a_config_built_in_code():
+    env = {**rank_env(0, 1, free_port()), "DS_TENSORSHARD": "1", "DS_TENSORSHARD_CONFIG": '{"comm_backend": "mpi"}'}
+    command = ["-m", "ds_tensorshard", SCRIPT, "--no-block", "--steps", "1"]
+    proc = run_in_group([sys.executable, *command], env=env, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert [(r["optimizer"], r["transport"]) for r in results(proc.stdout)] == [("TensorShardOptimizer", "MpiComm")]
+
+
 def test_more_ranks_than_tensors_trains_with_empty_sets():
     outputs = run_ranks(["-m", "ds_tensorshard", SCRIPT, "--one-tensor", "--steps", "3"], 3)
     found = [results(out)[0] for out in outputs]

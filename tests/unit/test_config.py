@@ -1,5 +1,7 @@
 """Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
 
+import logging
+
 import deepspeed
 import pytest
 import torch
@@ -10,6 +12,20 @@ from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVe
 from ds_tensorshard.versions import check_deepspeed_version, fp16_refusal
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
+
+
+@pytest.fixture
+def ds_log() -> list[str]:
+    """What DeepSpeed's logger (which ds_tensorshard logs through) says during the test."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    level = deepspeed.utils.logger.level
+    deepspeed.utils.logger.setLevel(logging.INFO)
+    deepspeed.utils.logger.addHandler(handler)
+    yield lines
+    deepspeed.utils.logger.removeHandler(handler)
+    deepspeed.utils.logger.setLevel(level)
 
 
 def base_config(**overrides):
@@ -35,8 +51,6 @@ def initialize(config, optimizer=None):
 
 BAD = [
     ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'"),
-    ({"zero_optimization": {"stage": 0}}, "'zero_optimization.stage'"),
-    ({"zero_optimization": None}, "'zero_optimization.stage'"),
     (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
         "'zero_optimization.offload_optimizer'",
@@ -50,17 +64,12 @@ BAD = [
     ({"tensorshard": {"enabled": True, "bucket_numel": 1.5}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'optimizer.type' 'OneBitAdam' cannot be sharded"),
-    ({"optimizer": None}, "'optimizer' block"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
 def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
     config = base_config(**overrides)
-    if config.get("zero_optimization") is None:
-        config.pop("zero_optimization")
-    if config.get("optimizer") is None:
-        config.pop("optimizer")
     model = torch.nn.Linear(4, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config["bf16"] = {"enabled": True}  # an engine that got past validation would cast the model to bf16
@@ -166,3 +175,55 @@ def test_supported_version_passes():
     for version in ("0.16.0", "0.17.6", "0.18.9", "0.19.8"):
         check_deepspeed_version(version)
     check_deepspeed_version(deepspeed.__version__)
+
+
+@pytest.mark.parametrize("zero", [{"stage": 0}, None], ids=["stage 0", "no zero block"])
+@pytest.mark.parametrize("optimizer", [{"type": "AdamW", "params": {"lr": 1e-3}}, None], ids=["optimizer", "none"])
+def test_an_engine_with_no_zero_optimizer_to_replace_runs_as_stock(zero, optimizer, ds_log):
+    # a frozen reference model (TRL sets stage 0 on a copy of the training config) or an inference engine
+    config = {k: v for k, v in base_config(zero_optimization=zero, optimizer=optimizer).items() if v is not None}
+    _, engine, opt = initialize(config)
+    stock_config = {k: v for k, v in config.items() if k != "tensorshard"}
+    _, _, stock = initialize(stock_config)
+    assert type(opt) is type(stock) and not isinstance(opt, ds_tensorshard.TensorShardOptimizer)
+    assert "'zero_optimization.stage' 0: no ZeRO-1/2 optimizer to replace, this engine runs as stock" in "\n".join(ds_log)
+    assert engine(torch.ones(1, 4)).shape == (1, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_or_2_without_an_optimizer_gets_stocks_error(stage):
+    config = {k: v for k, v in base_config(zero_optimization={"stage": stage}).items() if k != "optimizer"}
+    with pytest.raises(AssertionError, match=f"zero stage {stage} requires an optimizer"):
+        initialize(config)
+
+
+def test_environment_switch_turns_the_plugin_on_for_a_config_without_a_block(monkeypatch):
+    config = {k: v for k, v in base_config(zero_optimization={"stage": 1}).items() if k != "tensorshard"}
+    monkeypatch.setenv("DS_TENSORSHARD", "1")
+    monkeypatch.setenv("DS_TENSORSHARD_CONFIG", '{"split_tensors": "never", "bucket_numel": 7}')
+    _, engine, opt = initialize(config)
+    assert isinstance(opt, ds_tensorshard.TensorShardOptimizer) and not opt.partition_gradients
+    assert engine._tensorshard_config.split_tensors == "never" and opt.bucket_numel == 7
+    monkeypatch.delenv("DS_TENSORSHARD_CONFIG")
+    _, _, opt = initialize(base_config(tensorshard={"enabled": False}))  # a block of its own wins
+    assert type(opt) is DeepSpeedZeroOptimizer
+
+
+@pytest.mark.parametrize(
+    "switch, keys, message",
+    [
+        ("yes", None, "environment variable DS_TENSORSHARD='yes': use 1 (on) or 0 (off)"),
+        ("1", "{split", "environment variable DS_TENSORSHARD_CONFIG is not valid JSON"),
+        ("1", "[1]", "'DS_TENSORSHARD_CONFIG' must be a JSON object"),
+        ("1", '{"comm_backend": "nccl"}', "invalid value for 'DS_TENSORSHARD_CONFIG.comm_backend'"),
+        ("1", '{"bucket_size": 1}', "unknown key 'DS_TENSORSHARD_CONFIG.bucket_size'"),
+    ],
+)
+def test_bad_environment_switch_is_refused_naming_the_variable(switch, keys, message, monkeypatch):
+    monkeypatch.setenv("DS_TENSORSHARD", switch)
+    if keys is not None:
+        monkeypatch.setenv("DS_TENSORSHARD_CONFIG", keys)
+    config = {k: v for k, v in base_config().items() if k != "tensorshard"}
+    with pytest.raises(TensorShardConfigError) as err:
+        initialize(config)
+    assert message in str(err.value)

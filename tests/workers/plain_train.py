@@ -19,6 +19,7 @@ parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--one-tensor", action="store_true", help="a model of a single tensor: other ranks own nothing")
 parser.add_argument("--comm-backend", default="torch")
+parser.add_argument("--no-block", action="store_true", help="a config without the tensorshard block (DS_TENSORSHARD=1)")
 parser.add_argument("--port", type=int, default=29500, help="rendezvous port when ranks are discovered through MPI")
 args = parser.parse_args()
 
@@ -29,6 +30,8 @@ config = {
     "zero_optimization": {"stage": 2},
     "tensorshard": {"enabled": True, "comm_backend": args.comm_backend},
 }
+if args.no_block:
+    del config["tensorshard"]
 deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
 torch.manual_seed(0)
 if args.one_tensor:
