@@ -157,6 +157,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             self.intake.gradient_of,
             self.intake.release,
             self._step_of,
+            lambda: engine.micro_steps if self._at_boundary() else None,
         )
         self.intake.to_reducer = self.reducer.gradient_ready
 

@@ -94,7 +94,8 @@ class OverlappedReducer:
 
     ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket where it owns
     something; ``gradient_of(param)`` is what is packed, ``release(param)`` drops it once its last
-    bucket is packed. The first backward that reduces records the order in which gradients became final;
+    bucket is packed. A second backward at the same accumulation boundary (``boundary_of``: the engine's micro-step
+    there) is refused: stock keeps only its gradients. The first backward that reduces records the order in which gradients became final;
     afterwards ``rebuild(order)`` (rank 0's order, the same on every rank) lays the buckets out in
     that order, so a tensor produced late never holds back buckets of gradients produced early.
     """
@@ -111,9 +112,12 @@ class OverlappedReducer:
         gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: p.grad,
         release: Callable[[torch.nn.Parameter], None] = lambda p: setattr(p, "grad", None),
         step_of: Callable[[], int] = lambda: 0,
+        boundary_of: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
         self.gradient_of, self.release, self.step_of = gradient_of, release, step_of
+        # the engine's micro-step while at an accumulation boundary, else None; and that of the last reduction
+        self.boundary_of, self.reduced_at = boundary_of, None
         self.params = list(params)
         self.in_flight: deque[tuple[int, Bucket, Pending]] = deque()
         self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
@@ -140,6 +144,12 @@ class OverlappedReducer:
 
     def gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is final for this backward: start every bucket that is now complete."""
+        if not self.seen and self.reduced_at is not None and self.reduced_at == self.boundary_of():
+            raise TensorShardUsageError(
+                f"ds_tensorshard: a second backward before engine.step() (micro-step {self.reduced_at}): its "
+                "gradients would be added to the first's on their owners, where stock ZeRO-1/2 keeps only the last "
+                "backward's. Call engine.step() after every backward, or add the losses and run one backward"
+            )
         if id(param) in self.seen:
             raise TensorShardUsageError(
                 f"ds_tensorshard: the gradient of '{self.name_of(param)}' was delivered twice in one backward (a "
@@ -184,6 +194,7 @@ class OverlappedReducer:
         if self.observed is not None:
             self._follow_backward_order(self.observed)
         self._next_backward()
+        self.reduced_at = self.boundary_of()
 
     def _follow_backward_order(self, observed: list[torch.nn.Parameter]) -> None:
         seen = {id(p) for p in observed}

@@ -49,6 +49,24 @@ def test_gradient_delivered_twice_in_one_backward_is_refused_naming_the_paramete
 
 
 @pytestmark_single
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("pattern", ["two losses", "retain_graph"])
+def test_a_second_backward_at_the_accumulation_boundary_is_refused(stage, pattern):
+    # stock ZeRO-1/2 keeps only the boundary's last backward (measured, one rank: gradient 2 where stage 0 gives
+    # 3); away from the boundary both add up, as stock (tests/multiprocess/test_fidelity.py two_backwards_*)
+    model = torch.nn.Linear(4, 1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=tiny_config(stage))
+    loss = engine(torch.ones(2, 4)).sum()
+    engine.backward(loss, retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"a second backward before engine.step\(\) \(micro-step 0\)"):
+        engine.backward(loss if pattern == "retain_graph" else engine(2 * torch.ones(2, 4)).sum())
+    engine.zero_grad()
+    engine.step()
+    engine.backward(engine(torch.ones(2, 4)).sum())  # one backward per step again: accepted
+    engine.step()
+
+
+@pytestmark_single
 def test_add_param_group_is_refused_on_the_optimizer_and_the_inner_one():
     model = torch.nn.Linear(4, 4)
     extra = torch.nn.Parameter(torch.zeros(3))

@@ -38,6 +38,9 @@ SCENARIOS = {
     "prescale_stage1": ("fp32", 1, 2, 5, {"prescale_gradients": True}, {}),
     "no_reduce_scatter_stage2": ("fp32", 2, 2, 5, {}, {"reduce_scatter": False}),
     "no_contiguous_stage2": ("fp32", 2, 2, 5, {}, {"contiguous_gradients": False}),
+    # a second backward in a step's first micro-step (no boundary): the two add up, as in stock
+    "two_backwards_stage1": ("fp32", 1, 2, 4, {}, {}),
+    "two_backwards_stage2": ("fp32", 2, 2, 4, {}, {}),
 }
 
 
@@ -67,8 +70,13 @@ def run_case(case: str, out_dir: str) -> None:
                 for _ in range(2):
                     engine.backward(engine(batch(rank, micro)))
                     micro += 1
-        for _ in range(gas):
+        for g in range(gas):
             loss = engine(batch(rank, micro).to(engine.device))
+            if scenario.startswith("two_backwards") and g == 0:  # alternately the same loss and another one
+                if len(norms) % 2:
+                    engine.backward(loss, retain_graph=True)
+                else:
+                    engine.backward(engine(batch(rank, micro + 1000).to(engine.device)))
             engine.backward(loss)
             scales.append(float(optimizer.loss_scale) if hasattr(optimizer, "loss_scale") else 1.0)
             engine.step()
