@@ -94,10 +94,11 @@ class OverlappedReducer:
 
     ``deliver(bucket, segment)`` receives this rank's averaged segment of each bucket where it owns
     something; ``gradient_of(param)`` is what is packed, ``release(param)`` drops it once its last
-    bucket is packed. A second backward at the same accumulation boundary (``boundary_of``: the engine's micro-step
-    there) is refused: stock keeps only its gradients. The first backward that reduces records the order in which gradients became final;
-    afterwards ``rebuild(order)`` (rank 0's order, the same on every rank) lays the buckets out in
-    that order, so a tensor produced late never holds back buckets of gradients produced early.
+    bucket is packed. A second backward at the same accumulation boundary (``boundary_of``: the engine's
+    micro-step there) is refused: stock keeps only its gradients. The first backward that reduces records
+    the order in which gradients became final; afterwards ``rebuild(order)`` (rank 0's order, the same on
+    every rank) lays the buckets out in that order, so a tensor produced late never holds back buckets of
+    gradients produced early.
     """
 
     def __init__(
@@ -117,7 +118,8 @@ class OverlappedReducer:
         self.comm, self.averaging, self.deliver, self.name_of, self.rebuild = comm, averaging, deliver, name_of, rebuild
         self.gradient_of, self.release, self.step_of = gradient_of, release, step_of
         # the engine's micro-step while at an accumulation boundary, else None; and that of the last reduction
-        self.boundary_of, self.reduced_at = boundary_of, None
+        self.boundary_of = boundary_of
+        self.reduced_at: int | None = None
         self.params = list(params)
         self.in_flight: deque[tuple[int, Bucket, Pending]] = deque()
         self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
