@@ -12,6 +12,7 @@ import enum
 from typing import Any
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -34,6 +35,7 @@ from ds_tensorshard.datapath.norm import (
     loss_scaler_of,
     sum_over_ranks,
 )
+from ds_tensorshard.datapath.offload import StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
@@ -134,6 +136,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         owned = [[(p, b) for p in group for b in blocks(p) if b.rank == rank] for group in self.bit16_groups]
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
+        self.offload = StateOffload(self.shard, self.params)
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
@@ -273,6 +276,17 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         if self.phase is Phase.PREPARED:
             self.phase, self._decision = Phase.ACCUMULATING, None
         self.intake.clear(self.params, set_to_none)
+
+    def offload_states(
+        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """``engine.offload_states()``: this rank's masters, model tensors, gradients and optimizer state off the
+        device (:mod:`~ds_tensorshard.datapath.offload`)."""
+        self.offload.offload(include, getattr(device, "value", device), pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """``engine.reload_states()``: every offloaded state back on the accelerator."""
+        self.offload.reload(torch.device(get_accelerator().current_device_name()), non_blocking)
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused: the ownership plan, buckets and hooks are built for the groups given at initialize."""

@@ -47,12 +47,14 @@ class OwnedShard:
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.group_of: dict[torch.nn.Parameter, int] = {}
+        self.views: set[torch.nn.Parameter] = set()  # params whose master is a view of their own (fp32) tensor
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
                 own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
                 if param.dtype == torch.float32:
                     master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
+                    self.views.add(param)
                 else:
                     master = own.to(dtype=torch.float32, copy=True)
                 self.blocks[param] = block
@@ -116,6 +118,12 @@ class OwnedShard:
             own = self._own(param)
             if master.data_ptr() != own.data_ptr():
                 own.copy_(master.view(-1))
+
+    def relink_views(self) -> None:
+        """After the model's tensors moved (offload, reload): the masters that are views follow them."""
+        for param in self.views:
+            master = self.masters[param]
+            master.data = self._own(param).view(master.shape)
 
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
         block = self.blocks[param]
