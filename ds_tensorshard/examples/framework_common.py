@@ -1,14 +1,19 @@
-"""What the framework examples (hf_trainer, accelerate_train, lightning_train) share: the tiny Hugging Face
+"""What the framework examples (hf_trainer, accelerate_train, lightning_train, trl_dpo) share: the tiny Hugging Face
 models they train, and how rank 0 reports a run (losses, optimizer class, final parameters)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 VOCAB, SEQ = 128, 16
 
 
-def tiny_gpt2() -> torch.nn.Module:
+def tiny_gpt2() -> PreTrainedModel:
     """A 2-layer GPT-2 of width 32, without dropout, seeded."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -26,7 +31,7 @@ def tiny_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama() -> PreTrainedModel:
     """A 2-layer Llama of width 32 with grouped-query attention, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,9 +48,11 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def report(losses: dict, optimizer: object, module: torch.nn.Module, results: str | None) -> None:
-    """Rank 0: print the optimizer class and the losses; save them with the final parameters to ``results``."""
+def report(losses: dict, optimizer: object, module: torch.nn.Module, results: str | None, **extra: object) -> None:
+    """Rank 0: print the optimizer class and the losses; save them with the final parameters (and ``extra``,
+    an example's own entries) to ``results``."""
     print(f"optimizer {type(optimizer).__name__}; losses {losses}")
     if results:
         params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
-        torch.save({"losses": losses, "optimizer_class": type(optimizer).__name__, "params": params}, results)
+        saved = {"losses": losses, "optimizer_class": type(optimizer).__name__, "params": params, **extra}
+        torch.save(saved, results)

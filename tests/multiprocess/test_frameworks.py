@@ -4,8 +4,10 @@ Lightning's ``DeepSpeedStrategy``, each on 2 CPU ranks (gloo), exact against the
 ZeRO-2, and each resuming its own checkpoint (saved at step 3 of 6 on 2 ranks) through the framework on 3
 ranks (Lightning: 4, see lightning_run), matching stock ZeRO-2 resumed through the framework on the saving 2
 ranks (Lightning's own resume does not reproduce the uninterrupted run, stock or not; ``FRAMEWORKS_OUT``
-records by how much). The examples are ds_tensorshard/examples/{hf_trainer, accelerate_train,lightning_train}.py;
-tests/helpers/cpu_site lifts the frameworks' "CUDA only" checks (see there).
+records by how much). TRL's ``DPOTrainer`` with a reference model, under ``accelerate launch`` with the same
+config file, matches it with stock ZeRO-2 too, its reference engine (stage 0, built by TRL) running as stock.
+The examples are ds_tensorshard/examples/{hf_trainer,accelerate_train,lightning_train,trl_dpo}.py;
+tests/helpers/cpu_site lifts the frameworks' "CUDA only" checks (see there; TRL has none of its own).
 The first run installs the ``frameworks`` extra into this venv when it is missing.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import torch
 
 from tests.helpers import ROOT
 from tests.helpers.compare import ACROSS_WORLDS
-from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_ranks
+from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 
 pytestmark = pytest.mark.frameworks
 BIN = os.path.dirname(sys.executable)
@@ -34,7 +37,7 @@ FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["pa
 
 @pytest.fixture(scope="module", autouse=True)
 def frameworks_installed():
-    missing = [m for m in ("transformers", "accelerate", "lightning") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("transformers", "accelerate", "lightning", "trl") if importlib.util.find_spec(m) is None]
     if missing:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"], capture_output=True, text=True
@@ -204,6 +207,62 @@ def lightning_run(mode: str, tmp_path) -> dict:
 
 def test_lightning_deepspeed_strategy(tmp_path):
     check_framework("Lightning DeepSpeedStrategy", lightning_run, tmp_path, resume_ranks=4)
+
+
+# -- TRL DPOTrainer ---------------------------------------------------------------------------------
+AS_STOCK = "'zero_optimization.stage' 0: no ZeRO-1/2 optimizer to replace, this engine runs as stock DeepSpeed"
+
+
+def dpo_run(stock: bool, tmp_path) -> tuple[dict, str]:
+    """ds_tensorshard.examples.trl_dpo through ``accelerate launch`` on 2 ranks with the Accelerate config file
+    (its tensorshard block dropped for stock); its results and the launch's whole output."""
+    results = tmp_path / f"dpo_{'stock' if stock else 'ts'}.pt"
+    cmd = [
+        os.path.join(BIN, "accelerate"),
+        "launch",
+        "--use_deepspeed",
+        "--deepspeed_config_file",
+        accelerate_config(tmp_path, stock),
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "ds_tensorshard.examples.trl_dpo",
+        "--out",
+        str(tmp_path / "dpo_out"),
+        "--results",
+        str(results),
+        "--ds-log-level",
+        "info",  # the line that says the reference engine runs as stock is at INFO
+    ]
+    env = {**launcher_env(), **CPU_SITE, "HF_HUB_OFFLINE": "1"}
+    proc = run_in_group(cmd, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return load(results), proc.stdout + proc.stderr
+
+
+def test_trl_dpo_with_reference_model(tmp_path):
+    """DPOTrainer with a reference model: the policy's engine is ds_tensorshard's and matches stock ZeRO-2; the
+    reference's, which TRL builds from the same config at stage 0 without an optimizer, runs as stock (and says
+    so once, on rank 0), frozen."""
+    stock, stock_output = dpo_run(True, tmp_path)
+    ours, output = dpo_run(False, tmp_path)
+    assert stock["optimizer_class"] == "DeepSpeedZeroOptimizer"
+    assert ours["optimizer_class"] == "TensorShardOptimizer"
+    for run in (stock, ours):
+        assert (run["ref_optimizer_class"], run["ref_zero_stage"], run["ref_unchanged"]) == ("NoneType", 0, True)
+    assert output.count(AS_STOCK) == 1, output[-4000:]
+    assert AS_STOCK not in stock_output
+    assert sorted(ours["losses"]) == list(range(1, 9))
+    # the policy starts as the reference, so the first step's DPO loss is -log(sigmoid(0)) = log 2
+    assert abs(ours["losses"][1] - math.log(2)) < 1e-6, ours["losses"]
+    assert_same_run(ours, stock, "TRL DPOTrainer: ds_tensorshard vs stock ZeRO-2, 2 ranks")
+    margin = max(abs(ours["margins"][s] - stock["margins"][s]) for s in stock["margins"])
+    assert margin <= FP32_LOSS, (ours["margins"], stock["margins"])
+    record("TRL DPOTrainer: rewards/margins, ds_tensorshard vs stock ZeRO-2", margin, float("nan"))
 
 
 def test_lightning_refuses_cpu_without_the_test_bypass(tmp_path):
