@@ -7,6 +7,7 @@ optimizer state exists, and raises :class:`TensorShardConfigError` naming the of
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -164,10 +165,12 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
 
 
 def _runs_as_stock(why: str) -> None:
-    """The engine has nothing for the plugin to replace: say so once, on rank 0, and leave it to stock."""
+    """The engine has nothing for the plugin to replace: say so once, on rank 0, and leave it to stock (as a
+    warning: DeepSpeed's logger shows nothing below it until the engine applies the config's ``log_level``)."""
     from deepspeed.utils import log_dist
 
-    log_dist(f"ds_tensorshard: {why}: no ZeRO-1/2 optimizer to replace, this engine runs as stock DeepSpeed", [0])
+    message = f"ds_tensorshard: {why}: no ZeRO-1/2 optimizer to replace, this engine runs as stock DeepSpeed"
+    log_dist(message, [0], level=logging.WARNING)
 
 
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:

@@ -9,8 +9,7 @@ Two engines are built from that one config. The policy's (ZeRO-2, the config's A
 ``TensorShardOptimizer``. TRL builds the reference model's engine itself (``trl.models.utils.prepare_deepspeed``)
 from a copy of the config with the optimizer and scheduler blocks dropped and ``zero_optimization.stage`` set to
 0; the block it keeps has nothing to replace there, so that engine runs as stock DeepSpeed. Rank 0 logs one line
-saying so, at INFO: DeepSpeed's logger shows WARNING and above unless raised before that engine is built
-(``--ds-log-level info``; the config's ``log_level`` is applied only later, inside the engine).
+saying so.
 
 A tiny Llama built from its config twice with the same seed (policy and reference start equal; no model hub), a
 word-level tokenizer built here with ``tokenizers``, and an in-memory preference dataset: each prompt is a run of
@@ -22,7 +21,6 @@ policy parameters and what the reference engine is.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import random
 
@@ -70,17 +68,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=3)
     parser.add_argument("--results", help="rank 0 saves losses, final parameters and the reference engine's kind")
-    parser.add_argument("--ds-log-level", help="DeepSpeed's logger level from the start (e.g. info)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL pings the Hub from rank 0 otherwise
 
     import deepspeed
     from trl import DPOConfig, DPOTrainer
-
-    if args.ds_log_level:
-        level = getattr(logging, args.ds_log_level.upper())
-        for target in (deepspeed.utils.logger, *deepspeed.utils.logger.handlers):
-            target.setLevel(level)
 
     config = DPOConfig(
         output_dir=args.out,

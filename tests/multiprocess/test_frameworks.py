@@ -235,8 +235,6 @@ def dpo_run(stock: bool, tmp_path) -> tuple[dict, str]:
         str(tmp_path / "dpo_out"),
         "--results",
         str(results),
-        "--ds-log-level",
-        "info",  # the line that says the reference engine runs as stock is at INFO
     ]
     env = {**launcher_env(), **CPU_SITE, "HF_HUB_OFFLINE": "1"}
     proc = run_in_group(cmd, timeout=TIMEOUT_S, env=env, cwd=ROOT)
