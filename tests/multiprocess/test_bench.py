@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers.compare import TOLERANCE
 from tests.helpers.ranks import TIMEOUT_S, kill_group, launcher_env, run_in_group
+from tests.helpers.terminal import on_terminal
 
 TINY = ["--layers", "1", "--width", "32", "--vocab", "128", "--steps", "2", "--warmup", "1"]
 
@@ -23,8 +24,12 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
-    proc = bench(*TINY, "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # on a terminal, as users run it: its progress bar shows there (and in no pipe: the other bench tests)
+    rc, shown = on_terminal(
+        [sys.executable, "-m", "ds_tensorshard.commands.cli", "bench", *TINY, "--out", str(tmp_path)]
+    )
+    assert rc == 0, shown[-3000:]
+    assert "bench: 100%" in shown and "6/6" in shown and "ds_tensorshard (torch)" in shown, shown[-3000:]
     results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     assert set(results) == {"stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi"}
     for r in results.values():
@@ -49,6 +54,7 @@ def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
 def test_bench_two_models_joint_plan_fills_the_fullest_rank_least(tmp_path):
     proc = bench(*TINY, "--configs", "two_zero2", "two_ts_separate", "two_ts_joint", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bench:" not in proc.stdout + proc.stderr  # no progress bar into a pipe
     results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     joint, separate = results["two_ts_joint"], results["two_ts_separate"]
     assert joint["optimizer_state_bytes_total"] == separate["optimizer_state_bytes_total"]

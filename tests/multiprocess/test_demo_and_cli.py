@@ -20,6 +20,7 @@ def test_demo_trains_and_reports_state_bytes_next_to_stock_zero2():
         2,
     )
     text = outputs[0]
+    assert "train:" not in text  # no progress bar into a log (on a terminal: test_progress.py)
     start, end = map(float, re.search(r"loss: start ([\d.]+) -> end ([\d.]+) over 8 steps", text).groups())
     assert end < start
     rows = re.findall(r"rank (\d): ds_tensorshard +([\d.]+) MiB +stock ZeRO-2 +([\d.]+) MiB", text)

@@ -10,6 +10,7 @@ Every optimizer's state exists only for owned tensors, and its checkpoint resume
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,17 +172,32 @@ def assert_continues(resumed: dict, reference: dict, tol: dict) -> None:
         torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=tol["atol"], msg=name)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(name)``: a 2-rank run of 6 steps with ``name`` that saves at step 3, once per module: its
+    results and the checkpoint folder."""
+    runs: dict[str, tuple[dict, Path]] = {}
+
+    def run(name: str) -> tuple[dict, Path]:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"saved_{name}")
+            runs[name] = train(out / "ref.pt", 2, name, "--save", out / "c", "--save-at", 3), out / "c"
+        return runs[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", ["lion", "muon", "adafactor"])
-def test_state_resumes_exactly_and_at_another_world_size(tmp_path, name):
+def test_state_resumes_exactly_and_at_another_world_size(tmp_path, saved, name):
     """Resumed at the saving world size: bit for bit. At another world size the gradients are summed in
     another order; Lion's signs and Muon's Newton-Schulz turn that into lr-sized steps on near-zero
     components (6e-3 for Lion between uninterrupted 2- and 3-rank runs, measured), so the resumed run
     must land as close to the saving run as an uninterrupted run at the new size does."""
-    reference = train(tmp_path / "ref.pt", 2, name, "--save", tmp_path / "c", "--save-at", 3)
-    same = train(tmp_path / "r2.pt", 2, name, "--load", tmp_path / "c")
+    reference, checkpoint = saved(name)
+    same = train(tmp_path / "r2.pt", 2, name, "--load", checkpoint)
     assert same["losses"] == {k: v for k, v in reference["losses"].items() if k >= 3}
     assert all(torch.equal(same["params"][k], v) for k, v in reference["params"].items())
-    resumed = train(tmp_path / "r3.pt", 3, name, "--load", tmp_path / "c")
+    resumed = train(tmp_path / "r3.pt", 3, name, "--load", checkpoint)
     other = train(tmp_path / "u3.pt", 3, name)  # uninterrupted at the new size
     assert sorted(resumed["losses"]) == [3, 4, 5]
     for step, loss in resumed["losses"].items():
@@ -202,8 +218,7 @@ def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
     assert_continues(back, reference, TOLERANCE["fp32"])
 
 
-def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path):
-    train(tmp_path / "ref.pt", 2, "adafactor", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_cli("convert-checkpoint", tmp_path / "c", tmp_path / "z", "--to", "zero")
+def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path, saved):
+    proc = run_cli("convert-checkpoint", saved("adafactor")[1], tmp_path / "z", "--to", "zero")
     assert proc.returncode == 2 and "optimizer state 'row_var'" in proc.stderr, proc.stderr
     assert not (tmp_path / "z" / "latest").exists()

@@ -1,23 +1,18 @@
 """Long commands show progress on a terminal (a pseudo-terminal here) and print none into a pipe or a log:
-the demo, ``bench``, ``convert-checkpoint`` and the bar helper itself."""
+the demo, ``convert-checkpoint`` and the bar helper itself (``bench``: tests/multiprocess/test_bench.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
-import select
-import struct
 import subprocess
 import sys
-import termios
-import time
 
 import deepspeed
 import torch
 
 from tests.helpers import ROOT
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env
+from tests.helpers.terminal import on_terminal
 from tests.helpers.tiny_gpt import TinyGPT
 
 BIN = os.path.dirname(sys.executable)
@@ -27,36 +22,6 @@ BAR_SCRIPT = (
     "    [b.update(1) for _ in range(3)]\n"
     "print('finished')\n"
 )
-
-
-def on_terminal(cmd: list[str], env: dict | None = None, timeout: float = TIMEOUT_S) -> tuple[int, str]:
-    """Run ``cmd`` with stdin, stdout and stderr on a new pseudo-terminal; return its exit status and output."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 40 rows, 120 columns
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env or launcher_env(), close_fds=True)
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if ready:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: every holder of the terminal has exited
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-            elif proc.poll() is not None:
-                break
-        else:
-            proc.kill()
-            raise AssertionError(f"{cmd} did not finish within {timeout}s")
-        return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
 
 
 def piped(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -115,33 +80,8 @@ def test_convert_checkpoint_progress_on_a_terminal_only(tmp_path, single_rank_wo
     torch.testing.assert_close(weights["wte.weight"], engine.module.wte.weight.detach().float(), rtol=0, atol=0)
 
 
-def test_bench_progress_on_a_terminal():
-    rc, shown = on_terminal(
-        [
-            os.path.join(BIN, "ds-tensorshard"),
-            "bench",
-            "--configs",
-            "zero2",
-            "ts_torch",
-            "--layers",
-            "1",
-            "--width",
-            "32",
-            "--vocab",
-            "128",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--out",
-            os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_tty_{os.getpid()}"),
-        ]
-    )
-    assert rc == 0, shown[-3000:]
-    assert "bench: 100%" in shown and "2/2" in shown and "ds_tensorshard (torch)" in shown
-
-
-def test_demo_bar_on_rank_0_of_a_terminal_and_none_in_a_log():
+def test_demo_bar_on_rank_0_of_a_terminal():
+    # none in a log: test_demo_and_cli.py's demo run (its ranks write to files); bench: test_bench.py
     cmd = [
         os.path.join(BIN, "deepspeed"),
         "--num_gpus",
@@ -159,13 +99,3 @@ def test_demo_bar_on_rank_0_of_a_terminal_and_none_in_a_log():
     assert rc == 0, shown[-3000:]
     assert "train: 100%" in shown and "3/3" in shown and "loss: start" in shown
     assert shown.count("train:   0%") == 1, shown[-3000:]  # one bar: rank 0's
-    log = subprocess.run(
-        cmd[:4] + [str(free_port())] + cmd[5:],
-        cwd=ROOT,
-        env=launcher_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert log.returncode == 0 and "loss: start" in log.stdout, log.stdout[-3000:] + log.stderr[-3000:]
-    assert "train:" not in log.stdout + log.stderr
