@@ -105,7 +105,8 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     zero = param_dict.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage == 0 or (stage == 3 and from_environment(param_dict)):
-        return _runs_as_stock(f"'zero_optimization.stage' {stage}")
+        _runs_as_stock(f"'zero_optimization.stage' {stage}")
+        return None
     if stage not in (1, 2):
         raise TensorShardConfigError(
             f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary) or 2 "
@@ -150,7 +151,8 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:
-            return _runs_as_stock("no optimizer (no 'optimizer' block, none given to deepspeed.initialize)")
+            _runs_as_stock("no optimizer (no 'optimizer' block, none given to deepspeed.initialize)")
+            return None
         refused = REFUSED_TYPES.get(str(opt_type).lower())
         if refused is not None:
             raise TensorShardConfigError(
