@@ -36,7 +36,7 @@ from ds_tensorshard.datapath.norm import (
 )
 from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
-from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.transports import open_transport
@@ -139,6 +139,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
         pipeline = isinstance(engine, PipelineEngine)
         stage1 = not self.partition_gradients
+        self.comm_dtype_of = autocast_comm_dtypes()  # before the buckets: they are cut per communication dtype
         self.intake = GradientIntake(
             self.params,
             self.names,
@@ -161,7 +162,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.intake.to_reducer = self.reducer.gradient_ready
 
     def _build_buckets(self, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel)
+        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
 
     @property
     def buckets(self) -> list[Bucket]:
