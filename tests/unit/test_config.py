@@ -64,6 +64,27 @@ BAD = [
     ({"tensorshard": {"enabled": True, "bucket_numel": 1.5}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'optimizer.type' 'OneBitAdam' cannot be sharded"),
+    # keys of DeepSpeed 0.16-0.19 whose effect on gradients or optimizer state ds_tensorshard does not follow
+    ({"fp16": {"fp16_master_weights_and_grads": True}}, "'fp16.fp16_master_weights_and_grads' is not supported"),
+    ({"bf16": {"bf16_master_weights_and_grads": True}}, "'bf16.bf16_master_weights_and_grads' is not supported"),
+    (
+        {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+        "'bf16.bf16_master_weights_and_grads' is not supported",
+    ),
+    ({"zero_optimization": {"stage": 2, "zenflow": {}}}, "'zero_optimization.zenflow' is not supported"),
+    ({"compile": {"deepcompile": True}}, "'compile.deepcompile' is not supported"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "'checkpoint.use_node_local_storage' is not supported"),
+    ({"expert_parallel": {"enabled": True}}, "'expert_parallel.enabled' is not supported"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, "'torch_autocast.dtype' 'fp16' is not supported"),
+    ({"torch_autocast": {"enabled": True}}, "'torch_autocast.enabled' without 'torch_autocast.dtype'"),
+    (
+        {"zero_optimization": {"stage": 1, "compute_grad_norm": False}, "data_types": {"grad_accum_dtype": "fp32"}},
+        "'zero_optimization.compute_grad_norm' false is not supported with ZeRO stage 1, bf16",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "compute_grad_norm": False}, "gradient_clipping": 1.0},
+        "'zero_optimization.compute_grad_norm' false needs 'gradient_clipping' 0",
+    ),
 ]
 
 
@@ -72,7 +93,7 @@ def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
     config = base_config(**overrides)
     model = torch.nn.Linear(4, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    config["bf16"] = {"enabled": True}  # an engine that got past validation would cast the model to bf16
+    config["bf16"] = {**config.get("bf16", {}), "enabled": True}  # past validation the model would become bf16
     with pytest.raises(TensorShardConfigError) as err:
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert message in str(err.value)
@@ -186,8 +207,9 @@ def test_an_engine_with_no_zero_optimizer_to_replace_runs_as_stock(zero, optimiz
     stock_config = {k: v for k, v in config.items() if k != "tensorshard"}
     _, _, stock = initialize(stock_config)
     assert type(opt) is type(stock) and not isinstance(opt, ds_tensorshard.TensorShardOptimizer)
-    said = "'zero_optimization.stage' 0: no ZeRO-1/2 optimizer to replace, this engine runs as stock"
-    assert said in "\n".join(ds_log)
+    assert "'zero_optimization.stage' 0: no ZeRO-1/2 optimizer to replace, this engine runs as stock" in "\n".join(
+        ds_log
+    )
     assert engine(torch.ones(1, 4)).shape == (1, 2)
 
 
@@ -228,3 +250,42 @@ def test_bad_environment_switch_is_refused_naming_the_variable(switch, keys, mes
     with pytest.raises(TensorShardConfigError) as err:
         initialize(config)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, older, added",
+    [
+        ({"bf16": {"bf16_master_weights_and_grads": True}}, (0, 18, 2), (0, 18, 3)),
+        ({"zero_optimization": {"stage": 2, "zenflow": {}}}, (0, 17, 4), (0, 17, 5)),
+        ({"compile": {"deepcompile": True}}, (0, 16, 5), (0, 16, 6)),
+        ({"expert_parallel": {"enabled": True}}, (0, 19, 1), (0, 19, 2)),
+        ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, (0, 17, 1), (0, 17, 2)),
+    ],
+    ids=lambda v: str(v) if isinstance(v, dict) else None,
+)
+def test_a_new_key_is_refused_only_where_deepspeed_reads_it(overrides, older, added, monkeypatch):
+    # a release that does not know the key ignores it, as ds_tensorshard then does
+    config = base_config(**overrides)
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: older)
+    assert ds_tensorshard.config.validate_engine_config(config).enabled
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: added)
+    with pytest.raises(TensorShardConfigError, match=f"'{next(iter(overrides))}.* is (not supported|refused)"):
+        ds_tensorshard.config.validate_engine_config(config)
+
+
+def test_bf16_autocast_is_followed_from_the_release_whose_stock_zero_uses_no_grad_scaler(monkeypatch):
+    config = base_config(torch_autocast={"enabled": True, "dtype": "bfloat16"}, zero_optimization={"stage": 1})
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: (0, 17, 5))
+    with pytest.raises(TensorShardConfigError, match=r"'torch_autocast.enabled' is refused .* 0\.17\.5: .*GradScaler"):
+        ds_tensorshard.config.validate_engine_config(config)
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: (0, 17, 6))
+    assert ds_tensorshard.config.validate_engine_config(config).enabled
+
+
+def test_summed_gradients_lift_the_stage2_predivide_refusal_as_stock_does(monkeypatch):
+    # stock ZeRO-2 skips its predivide/prescale asserts under gradient_allreduce_op "sum" (it ignores both)
+    config = base_config(gradient_allreduce_op="sum", gradient_predivide_factor=2.0, prescale_gradients=True)
+    assert ds_tensorshard.config.validate_engine_config(config).enabled
+    monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: (0, 19, 5))  # before the key
+    with pytest.raises(TensorShardConfigError, match="'gradient_predivide_factor' != 1.0 is not supported"):
+        ds_tensorshard.config.validate_engine_config(config)
