@@ -8,8 +8,10 @@ import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import ds_tensorshard
-from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError, UnsupportedDeepSpeedVersion
+from ds_tensorshard.optimizer import direct_backward_refusal
 from ds_tensorshard.versions import check_deepspeed_version, fp16_refusal
+from tests.helpers.one_rank import make_engine
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -289,3 +291,38 @@ def test_summed_gradients_lift_the_stage2_predivide_refusal_as_stock_does(monkey
     monkeypatch.setattr("ds_tensorshard.versions.installed_release", lambda: (0, 19, 5))  # before the key
     with pytest.raises(TensorShardConfigError, match="'gradient_predivide_factor' != 1.0 is not supported"):
         ds_tensorshard.config.validate_engine_config(config)
+
+
+def test_coalesce_grad_reduction_is_refused_naming_the_alternatives(engine):
+    with pytest.raises(TensorShardUsageError, match=r"coalesce_grad_reduction\(\) is not supported.*managed_grad"):
+        engine().coalesce_grad_reduction()
+    _, stock, _ = initialize({k: v for k, v in base_config().items() if k != "tensorshard"})
+    with stock.coalesce_grad_reduction():  # a stock engine keeps the stock method
+        pass
+
+
+@pytest.mark.parametrize("release", [(0, 17, 0), (0, 18, 4)], ids=["no flag: engine.backward runs ours", "flag"])
+def test_a_direct_backward_is_refused_at_its_first_gradient_where_it_cannot_follow_stock(release, monkeypatch):
+    monkeypatch.setattr("ds_tensorshard.optimizer.installed_release", lambda: release)
+    engine = make_engine()
+    optimizer = engine.optimizer
+    if release < (0, 18, 3):  # that engine has no _running_engine_backward: it calls optimizer.backward(loss)
+        optimizer._engine_backward_running = lambda: None
+    tokens = torch.randint(0, 64, (2, 16))
+    with pytest.raises(
+        TensorShardUsageError, match=rf"loss.backward\(\) was called directly.*{'.'.join(map(str, release))}"
+    ):
+        engine(tokens).backward()
+    assert optimizer.reducer.started == 0  # refused before any bucket was reduced
+    engine.zero_grad()
+    if release < (0, 18, 3):
+        optimizer.backward(engine(tokens) / 2)  # what engine.backward(loss) does there
+    else:
+        engine.backward(engine(tokens))
+    engine.step()
+
+
+def test_direct_backward_refusal_by_release():
+    assert direct_backward_refusal((0, 19, 8)) is None and direct_backward_refusal((0, 18, 5)) is None
+    assert "gradient hooks" in direct_backward_refusal((0, 18, 4))
+    assert "0.18.3 added it" in direct_backward_refusal((0, 18, 2))
