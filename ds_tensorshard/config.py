@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -122,7 +122,9 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             )
     if zero.get("cpu_offload"):
         raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
-    if stage == 2 and zero.get("reduce_scatter", True):  # stock ZeRO-2 asserts these (stage_1_and_2.py)
+    _refuse_unfollowed_keys(param_dict, zero)
+    # stock ZeRO-2 asserts these (stage_1_and_2.py), except under gradient_allreduce_op "sum", which ignores them
+    if stage == 2 and zero.get("reduce_scatter", True) and not _sums_gradients(param_dict):
         if param_dict.get("gradient_predivide_factor", 1.0) != 1.0:
             raise TensorShardConfigError(
                 "'gradient_predivide_factor' != 1.0 is not supported with ZeRO stage 2 and "
@@ -162,6 +164,150 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     elif isinstance(client_optimizer, torch.optim.Optimizer):
         check_supported(client_optimizer)
     return config
+
+
+def _truthy(value: Any) -> bool:
+    """A config flag as DeepSpeed's pydantic models read it ("false", "0", "no" ... are false)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "f", "no", "n", "off")
+    return bool(value)
+
+
+def _block(param_dict: Mapping[str, Any], *names: str) -> Mapping[str, Any]:
+    """The first of ``names`` that the config has as an object (DeepSpeed's current name first), else {}."""
+    for name in names:
+        value = param_dict.get(name)
+        if isinstance(value, Mapping):
+            return value
+    return {}
+
+
+def _reads(release: tuple[int, ...]) -> bool:
+    """Whether the installed DeepSpeed reads a key its ``release`` added (an older one ignores it, as we do)."""
+    from ds_tensorshard.versions import installed_release
+
+    return installed_release() >= release
+
+
+def _sums_gradients(param_dict: Mapping[str, Any]) -> bool:
+    """``gradient_allreduce_op: "sum"`` (DeepSpeed 0.19.6): gradients are summed over data-parallel ranks, not
+    averaged; ds_tensorshard follows it through ``engine.gradient_average``, as stock ZeRO-1/2 does."""
+    op = str(param_dict.get("gradient_allreduce_op", "mean")).lower()
+    return op == "sum" and _reads(GRADIENT_ALLREDUCE_OP_RELEASE)
+
+
+GRADIENT_ALLREDUCE_OP_RELEASE = (0, 19, 6)
+AUTOCAST_RELEASE = (0, 17, 2)  # the torch_autocast block
+AUTOCAST_WITHOUT_BF16_SCALER = (0, 17, 6)  # before it, stock ZeRO scales bf16 autocast gradients with a GradScaler
+# (key, the release that added it, where its value is, the reason and what to do): refused when set (true, or any
+# value for a block), on the releases that read it. Each changes how gradients are reduced or stepped, or where
+# optimizer state lives, in a way ds_tensorshard does not follow (docs/configuration.md, "DeepSpeed 0.17-0.19 keys").
+UNFOLLOWED_KEYS: tuple[tuple[str, tuple[int, ...], Callable[[Mapping[str, Any], Mapping[str, Any]], Any], str], ...] = (
+    (
+        "fp16.fp16_master_weights_and_grads",
+        (0, 16, 0),
+        lambda config, zero: _block(config, "fp16").get("fp16_master_weights_and_grads"),
+        "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner (stock allows fp16 ones only with "
+        "ZeRO-Offload, which is refused); remove it",
+    ),
+    (
+        "bf16.bf16_master_weights_and_grads",
+        (0, 18, 3),
+        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_master_weights_and_grads"),
+        "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner, where stock ZeRO would keep them "
+        "in bf16; remove it (and bf16_optimizer_states) to train with fp32 masters, or disable 'tensorshard.enabled'",
+    ),
+    (
+        "bf16.bf16_optimizer_states",
+        (0, 18, 3),
+        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_optimizer_states"),
+        "ds_tensorshard keeps the inner optimizer's state in fp32, where stock ZeRO would keep it in bf16; remove "
+        "it, or disable 'tensorshard.enabled'",
+    ),
+    (
+        "zero_optimization.zenflow",
+        (0, 17, 5),
+        lambda config, zero: zero.get("zenflow") is not None,
+        "ZenFlow runs its own ZeRO optimizer (selective updates of offloaded optimizer state), which "
+        "ds_tensorshard replaces; remove the block, or disable 'tensorshard.enabled'",
+    ),
+    (
+        "compile.deepcompile",
+        (0, 16, 6),
+        lambda config, zero: _block(config, "compile").get("deepcompile"),
+        "DeepCompile's compiled passes reduce gradients into stock ZeRO's partitions themselves; remove it (or set "
+        "it false), or disable 'tensorshard.enabled'",
+    ),
+    (
+        "checkpoint.use_node_local_storage",
+        (0, 16, 0),
+        lambda config, zero: _block(config, "checkpoint").get("use_node_local_storage"),
+        "a ds_tensorshard save is committed (moved into place, 'latest' written) by rank 0 in one folder that "
+        "every rank writes to; use storage that all nodes share and remove the key",
+    ),
+    (
+        "expert_parallel.enabled",
+        (0, 19, 2),
+        lambda config, zero: _block(config, "expert_parallel").get("enabled"),
+        "AutoEP makes mixture-of-experts layers (expert parameters with allreduce=False) inside the engine, and "
+        "mixture-of-experts is not supported by ds_tensorshard; disable 'tensorshard.enabled' for this model",
+    ),
+)
+
+
+def _refuse_unfollowed_keys(param_dict: Mapping[str, Any], zero: Mapping[str, Any]) -> None:
+    """Refuse the keys (most of them added in DeepSpeed 0.17-0.19) whose effect on gradients, their reduction or
+    the optimizer ds_tensorshard does not reproduce; each only on the releases that read it."""
+    for key, release, value_of, what in UNFOLLOWED_KEYS:
+        value = value_of(param_dict, zero)
+        if _truthy(value) and _reads(release):
+            shown = "" if value is True else f" ({value!r})"
+            raise TensorShardConfigError(f"'{key}'{shown} is not supported with '{BLOCK}.enabled': {what}")
+    if not _truthy(zero.get("compute_grad_norm", True)) and float(param_dict.get("gradient_clipping") or 0.0) > 0.0:
+        raise TensorShardConfigError(  # stock ZeRO-1/2's constructor raises it (0.19.7); ds_tensorshard replaces it
+            "'zero_optimization.compute_grad_norm' false needs 'gradient_clipping' 0 (stock DeepSpeed refuses "
+            "clipping without a norm too); remove one of them"
+        )
+    bf16_fp32_accum = _truthy(_block(param_dict, "bf16", "bfloat16").get("enabled", False)) and str(
+        _block(param_dict, "data_types").get("grad_accum_dtype")
+    ).lower() in ("fp32", "float32", "float", "torch.float32")
+    if zero.get("stage") == 1 and bf16_fp32_accum and not _truthy(zero.get("compute_grad_norm", True)):
+        # stock raises it in _do_optimizer_sanity_check (0.19.7), which ds_tensorshard replaces for this route
+        raise TensorShardConfigError(
+            "'zero_optimization.compute_grad_norm' false is not supported with ZeRO stage 1, bf16 and "
+            "'data_types.grad_accum_dtype' fp32 (stock DeepSpeed refuses it too); remove it or accumulate in bf16"
+        )
+    autocast = _block(param_dict, "torch_autocast")
+    if _truthy(autocast.get("enabled", False)) and _reads(AUTOCAST_RELEASE):
+        _check_autocast(autocast)
+
+
+def _check_autocast(autocast: Mapping[str, Any]) -> None:
+    """``torch_autocast`` (DeepSpeed 0.17.2): followed with dtype bf16 from 0.17.6 on, where stock ZeRO-1/2 sends
+    the gradients of the tensors DeepSpeed marks (Linear and Conv weights by default) in bf16 and uses no
+    GradScaler; refused otherwise."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    from ds_tensorshard.versions import installed_release
+
+    if not _reads(AUTOCAST_WITHOUT_BF16_SCALER):
+        raise TensorShardConfigError(
+            f"'torch_autocast.enabled' is refused with '{BLOCK}.enabled' on deepspeed "
+            f"{'.'.join(map(str, installed_release()))}: its stock ZeRO steps autocast training through a torch "
+            "GradScaler, which ds_tensorshard does not follow; use deepspeed >= 0.17.6 (or bf16.enabled instead)"
+        )
+    dtype = autocast.get("dtype")
+    if dtype is None:
+        raise TensorShardConfigError(
+            "'torch_autocast.enabled' without 'torch_autocast.dtype' is not supported with "
+            f"'{BLOCK}.enabled'; set 'torch_autocast.dtype' to \"bf16\""
+        )
+    if DtypeEnum(dtype).value is not torch.bfloat16:
+        raise TensorShardConfigError(
+            f"'torch_autocast.dtype' {dtype!r} is not supported with '{BLOCK}.enabled': only bf16 is (with fp16 "
+            "autocast stock ZeRO steps through a torch GradScaler, which ds_tensorshard does not follow); use "
+            '"bf16", or fp16.enabled'
+        )
 
 
 def _runs_as_stock(why: str) -> None:

@@ -5,7 +5,8 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
-- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`.
+- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`;
+- ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): refused, naming what to use instead.
 Engines whose config does not enable the plugin run the stock methods untouched.
 """
 
@@ -21,6 +22,7 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.config import TensorShardConfig, validate_engine_config, validate_parallel_layout
 from ds_tensorshard.datapath.inner_optimizer import check_supported
+from ds_tensorshard.errors import TensorShardUsageError
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -80,6 +82,20 @@ def _wrap_configure_zero(original):
     return _configure_zero_optimizer
 
 
+def _wrap_coalesce(original):
+    @functools.wraps(original)
+    def coalesce_grad_reduction(self):
+        if _enabled_config(self) is not None:
+            raise TensorShardUsageError(
+                "engine.coalesce_grad_reduction() is not supported by ds_tensorshard (its flush drives stock ZeRO's "
+                "own buckets); to step after several backwards, use gradient_accumulation_steps, or "
+                "'managed_gradient_accumulation': false (step() after any number of backwards, as stock)"
+            )
+        return original(self)
+
+    return coalesce_grad_reduction
+
+
 _WRAPPERS = {
     "__init__": _wrap_init,
     "_do_optimizer_sanity_check": _wrap_sanity_check,
@@ -87,13 +103,17 @@ _WRAPPERS = {
     "save_checkpoint": wrap_save_checkpoint,
     "load_checkpoint": wrap_load_checkpoint,
     "_load_zero_checkpoint": wrap_load_zero_checkpoint,
+    "coalesce_grad_reduction": _wrap_coalesce,
 }
+_OPTIONAL = {"coalesce_grad_reduction"}  # engine methods that older DeepSpeed releases do not have
 
 
 def install() -> None:
     """Register ds_tensorshard with DeepSpeed (safe to call any number of times)."""
     for name, wrap in _WRAPPERS.items():
-        current = getattr(DeepSpeedEngine, name)
+        current = getattr(DeepSpeedEngine, name, None)
+        if current is None and name in _OPTIONAL:
+            continue
         if getattr(current, _MARK, None) is None:
             wrapped = wrap(current)
             setattr(wrapped, _MARK, current)
@@ -101,4 +121,8 @@ def install() -> None:
 
 
 def installed() -> bool:
-    return all(getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None for name in _WRAPPERS)
+    return all(
+        getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
+        for name in _WRAPPERS
+        if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)
+    )

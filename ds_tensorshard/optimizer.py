@@ -38,11 +38,23 @@ from ds_tensorshard.datapath.norm import (
 from ds_tensorshard.datapath.offload import StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
-from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
 from ds_tensorshard.datapath.update import OwnedShard
-from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.transports import open_transport
 from ds_tensorshard.versions import installed_release
+
+
+def direct_backward_refusal(release: tuple[int, ...]) -> str | None:
+    """Why a direct ``loss.backward()`` (instead of ``engine.backward(loss)``) cannot run as stock on DeepSpeed
+    ``release``, or None: from 0.18.5 the engine itself runs the end of such a backward (its reduction) from an
+    autograd callback, for any ZeRO optimizer; 0.18.3 and 0.18.4 leave it to stock ZeRO's own gradient hooks,
+    which ds_tensorshard replaces; earlier releases have no PyTorch-style backward at all."""
+    if release >= (0, 18, 5):
+        return None
+    if release >= (0, 18, 3):
+        return "its engine leaves the end of a direct backward (the reduction) to stock ZeRO's own gradient hooks"
+    return "it has no PyTorch-style backward (DeepSpeed 0.18.3 added it): only engine.backward(loss) reduces"
 
 
 class Phase(enum.Enum):
@@ -122,6 +134,12 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
         self.custom_loss_scaler, self.external_loss_scale, self.torch_autocast_gradscaler = False, None, None
         self.overflow, self._global_grad_norm = False, None
+        # a direct loss.backward(): followed where the engine runs its end (from 0.18.5), else refused when it starts
+        release = installed_release()
+        refusal = None if isinstance(engine, PipelineEngine) else direct_backward_refusal(release)
+        self._direct_backward_refusal = refusal and f"deepspeed {'.'.join(map(str, release))}: {refusal}"
+        self._engine_backward_running = lambda: getattr(engine, "_running_engine_backward", None)
+        self._in_optimizer_backward = False  # engines before 0.18.3 run engine.backward through self.backward
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: OwnershipPlan | None) -> None:
         self.bit16_groups = trainable_groups(self.optimizer)
@@ -142,6 +160,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
         pipeline = isinstance(engine, PipelineEngine)
         stage1 = not self.partition_gradients
+        self.comm_dtype_of = autocast_comm_dtypes()  # before the buckets: they are cut per communication dtype
         self.intake = GradientIntake(
             self.params,
             self.names,
@@ -163,9 +182,25 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             lambda: engine.micro_steps if self._at_boundary() else None,
         )
         self.intake.to_reducer = self.reducer.gradient_ready
+        self.intake.check_caller = self._check_backward_caller
 
     def _build_buckets(self, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel)
+        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
+
+    def _check_backward_caller(self) -> None:
+        """Called as each gradient arrives: a direct ``loss.backward()`` on a release where it cannot follow stock
+        is refused at its first gradient, before anything is reduced."""
+        if self._direct_backward_refusal is None:
+            return
+        running = self._engine_backward_running()
+        if running is None:  # the engine has no flag: it runs engine.backward through self.backward
+            running = self._in_optimizer_backward
+        if not running:
+            raise TensorShardUsageError(
+                "ds_tensorshard: loss.backward() was called directly, not through engine.backward(loss), on "
+                f"{self._direct_backward_refusal}; so the gradients would not be reduced as stock reduces them. "
+                "Call engine.backward(loss), or use deepspeed >= 0.18.5"
+            )
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -188,9 +223,13 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
     cur_scale = loss_scale
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """Engines before DeepSpeed 0.19 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
+        """Engines before DeepSpeed 0.18.3 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
         does, the loss in fp32 times the loss scale (1 unless fp16). Newer engines scale and run it themselves."""
-        self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
+        self._in_optimizer_backward = True
+        try:
+            self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
+        finally:
+            self._in_optimizer_backward = False
 
     # -- reduce ---------------------------------------------------------------------------------
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:

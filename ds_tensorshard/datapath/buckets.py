@@ -1,6 +1,7 @@
 """Buckets: bounded windows of the gradient stream, grouped by owner inside.
 
-Per dtype, the owned units (whole tensors, or the blocks of split ones) are taken in backward
+Per dtype (and communication dtype, where DeepSpeed's ``torch_autocast`` marks some tensors to travel in
+its autocast dtype), the owned units (whole tensors, or the blocks of split ones) are taken in backward
 order and cut into buckets of exactly ``bucket_numel`` elements (the last one per dtype less): a
 bucket holds gradients that backward produces at about the same time, and a large tensor travels
 in pieces over several buckets while its owner stays one rank. Inside a bucket the pieces are
@@ -68,6 +69,9 @@ class Bucket:
     numel: int
     params: tuple[torch.nn.Parameter, ...]
     """Every parameter with a piece here: the bucket can start once all of their gradients are final."""
+    comm_dtype: torch.dtype | None = None
+    """The dtype its gradients travel in, where the tensors say (DeepSpeed's autocast marks); None: the
+    config's ``communication_data_type`` (see :class:`~ds_tensorshard.datapath.reduce.Averaging`)."""
 
     def segment_of(self, rank: int) -> Segment | None:
         return next((s for s in self.segments if s.owner == rank), None)
@@ -101,16 +105,21 @@ class _Unit:
 
 
 def build_buckets(
-    params: Sequence[torch.nn.Parameter], blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]], bucket_numel: int
+    params: Sequence[torch.nn.Parameter],
+    blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]],
+    bucket_numel: int,
+    comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None] = lambda param: None,
 ) -> list[Bucket]:
-    """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype."""
-    streams: dict[torch.dtype, list[_Unit]] = {}
+    """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype and
+    communication dtype (``comm_dtype_of``; None: the config's)."""
+    streams: dict[tuple[torch.dtype, torch.dtype | None], list[_Unit]] = {}
     for param in params:
         for block in blocks_of(param):
             if block.numel:
-                streams.setdefault(param.dtype, []).append(_Unit(param, block.rank, block.start, block.stop))
+                key = (param.dtype, comm_dtype_of(param))
+                streams.setdefault(key, []).append(_Unit(param, block.rank, block.start, block.stop))
     buckets = []
-    for dtype, units in streams.items():
+    for (dtype, comm_dtype), units in streams.items():
         window: list[Piece] = []
         owners: list[int] = []
         filled = 0
@@ -123,14 +132,14 @@ def build_buckets(
                 filled += stop - start
                 start = stop
                 if filled == bucket_numel:
-                    buckets.append(_bucket(dtype, window, owners))
+                    buckets.append(_bucket(dtype, window, owners, comm_dtype))
                     window, owners, filled = [], [], 0
         if window:
-            buckets.append(_bucket(dtype, window, owners))
+            buckets.append(_bucket(dtype, window, owners, comm_dtype))
     return buckets
 
 
-def _bucket(dtype: torch.dtype, pieces: list[Piece], owners: list[int]) -> Bucket:
+def _bucket(dtype: torch.dtype, pieces: list[Piece], owners: list[int], comm_dtype: torch.dtype | None) -> Bucket:
     by_owner: dict[int, list[Piece]] = {}
     for piece, owner in zip(pieces, owners):
         by_owner.setdefault(owner, []).append(piece)
@@ -140,4 +149,5 @@ def _bucket(dtype: torch.dtype, pieces: list[Piece], owners: list[int]) -> Bucke
         segments.append(Segment(owner, offset, numel, tuple(by_owner[owner])))
         offset += numel
     params = tuple({id(p.param): p.param for p in pieces}.values())
-    return Bucket(dtype=dtype, device=pieces[0].param.device, segments=tuple(segments), numel=offset, params=params)
+    device = pieces[0].param.device
+    return Bucket(dtype, device, tuple(segments), offset, params, comm_dtype)

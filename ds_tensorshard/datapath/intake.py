@@ -31,6 +31,7 @@ class GradientIntake:
         self.held_dtype = held_dtype
         self.held: dict[torch.nn.Parameter, torch.Tensor] | None = {} if held_dtype is not None else None
         self.to_reducer: Callable[[torch.nn.Parameter], None] = lambda param: None  # set by the optimizer
+        self.check_caller: Callable[[], None] = lambda: None  # set by the optimizer: raises for a backward it refuses
         for param in params:
             previous = _HOOKS.pop(id(param), None)
             if previous is not None:
@@ -43,6 +44,7 @@ class GradientIntake:
     def ready(self, param: torch.nn.Parameter) -> None:
         """The hook: in a backward that reduces, hand the gradient to the reducer (which starts complete
         buckets at once); otherwise let it accumulate, in the model or held here."""
+        self.check_caller()
         reducing = self.reduces_now()
         if self.held is not None and (param in self.held or not reducing):
             assert param.grad is not None, f"{self.names[param]}: hook called without a gradient"

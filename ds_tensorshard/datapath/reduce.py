@@ -26,7 +26,8 @@ class Averaging:
     reduce-scatter path, ``contiguous_gradients: false`` and ``prescale_gradients``);
     ``scale_before``/``scale_after`` multiply before the sum and on the owner after it (stock's
     post-scaling with ``reduce_scatter: false``, with ``gradient_predivide_factor``). Gradients travel
-    in ``comm_dtype`` (``communication_data_type``; None: the parameters' own dtype).
+    in ``comm_dtype`` (``communication_data_type``; None: the parameters' own dtype) unless their bucket
+    names its own (DeepSpeed's ``torch_autocast`` marks, which stock ZeRO-1/2 follows instead).
     """
 
     divide_before: float = 1.0
@@ -52,6 +53,18 @@ class Averaging:
         )
 
 
+def autocast_comm_dtypes() -> Callable[[torch.nn.Parameter], torch.dtype | None]:
+    """Each tensor's communication dtype as stock ZeRO-1/2 picks it once DeepSpeed's ``torch_autocast`` (0.17.2)
+    has been set up in this process: the dtype DeepSpeed marked the tensor with (its autocast dtype, on Linear and
+    Conv weights by default), else the tensor's own dtype, ``communication_data_type`` no longer counting; before
+    that (or on older releases) None for every tensor: the config's ``communication_data_type``."""
+    try:
+        from deepspeed.runtime.torch_autocast import get_comm_dtype, is_autocast_initialized
+    except ImportError:  # DeepSpeed before 0.17.2
+        return lambda param: None
+    return get_comm_dtype if is_autocast_initialized() else lambda param: None
+
+
 IN_FLIGHT = 2  # buckets whose reduction may be under way at once: bounds the flat buffers alive
 
 
@@ -66,7 +79,7 @@ def start_reduce(
     The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
     flat buffer goes when the reduction is done), or None where this rank owns nothing in the bucket.
     """
-    flat = bucket.pack(gradient_of, averaging.comm_dtype)
+    flat = bucket.pack(gradient_of, bucket.comm_dtype or averaging.comm_dtype)
     if averaging.divide_before != 1.0:
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:

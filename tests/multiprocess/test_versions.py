@@ -2,6 +2,8 @@
 own venv with torch 2.13.0 (tests/helpers/venvs.py makes .venv-dsX.Y.Z on first use; 0.19.8 is this venv).
 
 - ``import ds_tensorshard`` accepts each of them (the range in setup.cfg and ds_tensorshard/versions.py).
+- PyTorch-style backward (``loss.backward()``, fp32 ZeRO-2) against stock of the release from 0.18.5 on, and its
+  refusal, naming the release, before.
 - The equivalence cases (fp32, bf16, fp16 x stages 1 and 2, 2 ranks) against stock ZeRO of the same
   release, and checkpoints (ds_tensorshard saved on 2 ranks resumed on 3; a stock ZeRO checkpoint of that
   release resumed by ds_tensorshard) against the uninterrupted runs. Where a release's stock ZeRO is
@@ -124,6 +126,13 @@ def references(release: str) -> dict[str, str]:
     return refs
 
 
+def direct_backward_refused(version: str) -> bool:
+    from ds_tensorshard.optimizer import direct_backward_refusal
+    from ds_tensorshard.versions import release
+
+    return direct_backward_refusal(release(version)) is not None
+
+
 def fp16_refused(version: str, stage: int) -> bool:
     from ds_tensorshard.versions import fp16_refusal, release
 
@@ -162,6 +171,20 @@ def test_equivalence_and_checkpoints(release, tmp_path):
             assert all(p.returncode != 0 for p in procs)
             refusal = f"'fp16.enabled' with ZeRO stage {stage} is refused on deepspeed {release}"
             assert refusal in outputs[0], outputs[0][-3000:]
+
+    # PyTorch-style backward: as stock where the engine runs its end (0.18.5 on), else refused at its first gradient
+    features, direct = [os.path.join(WORKERS, "feature_worker.py"), str(tmp_path)], "torch_backward_fp32_stage2"
+    if direct_backward_refused(release):
+        procs, outputs = start(python, env, [*features, f"{direct}:ts"], 2)
+        assert all(p.returncode != 0 for p in procs)
+        refusal = f"loss.backward() was called directly, not through engine.backward(loss), on deepspeed {release}: "
+        assert refusal in outputs[0], outputs[0][-3000:]
+    else:
+        ranks(python, env, [*features, f"{direct}:ts"], 2)
+        ranks(stock_python, stock_env, [*features, f"{direct}:stock"], 2)
+        for rank in range(2):
+            ours, stock = (torch.load(tmp_path / f"{direct}_{mode}.rank{rank}.pt") for mode in ("ts", "stock"))
+            assert_run_matches(ours, stock, "fp32", f"deepspeed {release} {direct} rank {rank}")
 
     worker = os.path.join(WORKERS, "checkpoint_worker.py")
 

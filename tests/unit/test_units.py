@@ -13,7 +13,7 @@ from ds_tensorshard.checkpoints.files import load, save_atomic, verify
 from ds_tensorshard.datapath.broadcast import broadcast_buckets
 from ds_tensorshard.datapath.buckets import build_buckets
 from ds_tensorshard.datapath.plan import Block, plan_ownership
-from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, start_reduce
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes, start_reduce
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import CheckpointError, CollectiveTimeout
 from ds_tensorshard.transports.deadline import wait_with_deadline
@@ -64,6 +64,26 @@ def test_reduce_averages_like_deepspeed_and_hands_this_rank_its_pieces():
     assert [c[:2] for c in comm.calls] == [("reduce", 0), ("reduce", 1)]  # one reduce per owner present
     after = start_reduce(bucket, comm, Averaging(scale_before=0.5, scale_after=2.0 / 2), lambda p: p.grad).wait()
     assert torch.allclose(after, torch.full((6,), 0.5 * 4 * 1.0))
+
+
+def test_tensors_deepspeed_autocast_marked_travel_in_the_marked_dtype(monkeypatch):
+    a, b = params((3,), (4,))
+    assert autocast_comm_dtypes()(a) is None  # no autocast engine in this process: the config's dtype
+    monkeypatch.setattr("deepspeed.runtime.torch_autocast.TORCH_AUTOCAST_INITIALIZED", True)
+    a.comm_dtype = torch.bfloat16  # DeepSpeed's mark (init_autocast_params) on a Linear weight
+    comm_dtype_of = autocast_comm_dtypes()
+    assert (comm_dtype_of(a), comm_dtype_of(b)) == (torch.bfloat16, torch.float32)  # unmarked: its own dtype
+    whole = lambda p: (Block(0, 0, p.numel()),)  # noqa: E731
+    buckets = build_buckets([b, a], whole, bucket_numel=100, comm_dtype_of=comm_dtype_of)
+    assert [(bk.dtype, bk.comm_dtype, bk.params) for bk in buckets] == [
+        (torch.float32, torch.float32, (b,)),
+        (torch.float32, torch.bfloat16, (a,)),
+    ]
+    a.grad, b.grad = torch.full((3,), 1 + 2**-10), torch.full((4,), 1 + 2**-10)  # 1 + 2^-10 is 1 in bf16
+    averaging = Averaging(divide_before=2.0, comm_dtype=torch.float64)  # the config's: not used once marked
+    summed = [start_reduce(bk, PeerComm(peer_factor=1.0), averaging, lambda p: p.grad).wait() for bk in buckets]
+    assert [s.dtype for s in summed] == [torch.float32, torch.float32]  # back in the gradients' dtype
+    assert torch.equal(summed[0], b.grad) and torch.equal(summed[1], torch.ones(3))
 
 
 def test_reducer_starts_buckets_in_order_as_gradients_become_final_and_releases_them():

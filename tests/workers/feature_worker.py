@@ -1,8 +1,10 @@
 """One rank of the fidelity runs: DeepSpeed features trained with stock ZeRO and with ds_tensorshard.
 
 Usage (per rank, RANK/WORLD_SIZE/MASTER_* set, or under mpiexec): python feature_worker.py OUT CASE [CASE...]
-CASE = SCENARIO:MODE with MODE stock, ts or tsmpi. Writes OUT/SCENARIO_MODE.rankR.pt with per-micro-step
-losses, per-step grad norms and loss scales, skipped steps and the final parameters.
+CASE = SCENARIO:MODE with MODE stock, ts or tsmpi; SCENARIO from :data:`SCENARIOS` (run at 3 ranks) or
+:data:`TWO_RANK` (DeepSpeed 0.17-0.19 keys and PyTorch-style backward, run at 2 ranks). Writes
+OUT/SCENARIO_MODE.rankR.pt with per-micro-step losses, per-step grad norms and loss scales, skipped steps and
+the final parameters.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ SCENARIOS = {
     "two_backwards_stage1": ("fp32", 1, 2, 4, {}, {}),
     "two_backwards_stage2": ("fp32", 2, 2, 4, {}, {}),
 }
+SUM = {"gradient_allreduce_op": "sum"}
+AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bf16"}}
+# the same columns; torch_autocast last: once any engine of a process enabled it, stock ZeRO sends every later
+# engine's gradients in the dtypes of DeepSpeed's autocast marks (a process-wide flag), and so does ds_tensorshard
+TWO_RANK = {
+    **{f"torch_backward_{d}_stage{s}": (d, s, 2, 5, {}, {}) for d in ("fp32", "bf16") for s in (1, 2)},
+    "torch_backward_fp16_stage2": ("fp16", 2, 2, 5, {}, {}),
+    "allreduce_sum_stage1": ("fp32", 1, 2, 5, SUM, {"reduce_scatter": False}),
+    "allreduce_sum_stage2_predivide": ("fp32", 2, 2, 5, {**SUM, "gradient_predivide_factor": 2.0}, {}),
+    **{f"unmanaged_stage{s}": ("fp32", s, 2, 5, {"managed_gradient_accumulation": False}, {}) for s in (1, 2)},
+    "no_grad_norm_stage2": ("fp32", 2, 2, 5, {"gradient_clipping": 0.0}, {"compute_grad_norm": False}),
+    "bf16_no_overflow_check_stage2": ("bf16", 2, 2, 5, {"bf16": {"enabled": True, "check_grad_overflow": False}}, {}),
+    **{f"autocast_bf16_stage{s}": ("fp32", s, 2, 5, AUTOCAST, {}) for s in (1, 2)},
+}
+UNMANAGED_MICRO_STEPS = (3, 1, 2, 2, 1)  # backwards before each step() when the caller owns the boundary
 
 
 class WithEmptyParameter(TinyGPT):
@@ -54,7 +71,7 @@ class WithEmptyParameter(TinyGPT):
 
 def run_case(case: str, out_dir: str) -> None:
     scenario, mode = case.split(":")
-    dtype, stage, gas, steps, top, zero = SCENARIOS[scenario]
+    dtype, stage, gas, steps, top, zero = {**SCENARIOS, **TWO_RANK}[scenario]
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = ds_config(dtype, mode, stage, world)
     config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
@@ -64,24 +81,31 @@ def run_case(case: str, out_dir: str) -> None:
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses, norms, scales = [], [], []
     micro = 0
-    for _ in range(steps):
+    for step in range(steps):
         if scenario == "no_sync_stage1":  # two backwards without reduction, then one with it
             with engine.no_sync():
                 for _ in range(2):
                     engine.backward(engine(batch(rank, micro)))
                     micro += 1
-        for g in range(gas):
+        unmanaged = scenario.startswith("unmanaged")  # every step() is the boundary, after any number of backwards
+        for g in range(UNMANAGED_MICRO_STEPS[step] if unmanaged else gas):
             loss = engine(batch(rank, micro).to(engine.device))
             if scenario.startswith("two_backwards") and g == 0:  # alternately the same loss and another one
                 if len(norms) % 2:
                     engine.backward(loss, retain_graph=True)
                 else:
                     engine.backward(engine(batch(rank, micro + 1000).to(engine.device)))
-            engine.backward(loss)
+            if scenario.startswith("torch_backward"):  # PyTorch style; fp16 needs the loss scaled: engine.scale
+                (engine.scale(loss) if dtype == "fp16" else loss).backward()
+            else:
+                engine.backward(loss)
             scales.append(float(optimizer.loss_scale) if hasattr(optimizer, "loss_scale") else 1.0)
-            engine.step()
+            if not unmanaged:
+                engine.step()
             losses.append(loss.item())
             micro += 1
+        if unmanaged:
+            engine.step()
         norms.append(float(engine.get_global_grad_norm() or 0.0))
     result = {
         "losses": losses,
