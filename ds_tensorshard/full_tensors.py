@@ -27,6 +27,7 @@ verdict), as it does for a value whose shape is not the tensor's.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,11 +60,21 @@ def per_element_keys(optimizer: TensorShardOptimizer, master: torch.Tensor) -> l
     return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape]
 
 
+def _no_engine() -> None:
+    return None
+
+
 class FullTensor:
     """The accessors of one parameter (``optimizer.params[index]``)."""
 
-    def __init__(self, optimizer: weakref.ref[TensorShardOptimizer], index: int) -> None:
+    def __init__(self, optimizer: Callable[[], TensorShardOptimizer | None], index: int) -> None:
         self._optimizer, self.index = optimizer, index
+
+    def __getstate__(self) -> dict:  # a pickled parameter takes no engine along (a weak reference cannot be)
+        return {"index": self.index}
+
+    def __setstate__(self, state: dict) -> None:
+        self._optimizer, self.index = _no_engine, state["index"]
 
     def _context(self) -> tuple[TensorShardOptimizer, torch.nn.Parameter, str]:
         optimizer = self._optimizer()
