@@ -77,7 +77,7 @@ def assert_full_tensors_match(ours: dict, stock: dict, exact: bool, where: str) 
     """Every tensor ``tests/workers/full_tensor_worker.py`` read through ``deepspeed.utils``' getters equals stock's:
     bit for bit where ``exact`` (2 ranks: each element is summed in stock's order), else within the fp32
     tolerance relative to the tensor's largest element (3 ranks: another summation order, carried on by Adam,
-    measured within 2.6e-7 of it; the moments are tiny, so an absolute tolerance would say nothing)."""
+    measured within 4.4e-7 of it; the moments are tiny, so an absolute tolerance would say nothing)."""
     assert ours["seen"].keys() == stock["seen"].keys(), where
     tol = TOLERANCE["fp32"]
     for key, value in stock["seen"].items():

@@ -8,10 +8,11 @@ embedding holds more than half the elements, so ds_tensorshard owns it in dim-0 
 GAS 2, 3 steps. The getters are read on every rank wherever stock answers (stock fails on some ranks and
 leaves the others waiting elsewhere): the fp32 masters from initialize, the step's mean gradients after
 the boundary's backward (at stage 1 before it, ``param.grad``), masters and Adam moments after each step.
-Setters mid-training: at step 1's boundary one gradient is set and two are scaled
-(``safe_update_full_grad_vectorized``); after step 1 two masters (one split) and two moments are set and
-read back. The losses and final parameters then show what the setters did to training. ds_tensorshard's
-refusals (TensorAccessError on every rank; the ZeRO-3-only local API's assertion) are recorded too.
+Setters mid-training: at step 1's boundary one gradient is set, two are scaled
+(``safe_update_full_grad_vectorized``) and one master is halved; after step 1 two masters (one split) and
+two moments are set and read back. The losses and final parameters then show what the setters did to
+training. ds_tensorshard's refusals (TensorAccessError on every rank; the ZeRO-3-only local API's assertion)
+are recorded too.
 Writes OUT/DTYPE_MODE_STAGE.rankR.pt.
 """
 
@@ -120,12 +121,14 @@ def run_case(case: str, out_dir: str) -> None:
                 refusals["stage 2 gradient before the boundary"] = refusal(lambda: safe_get_full_grad(params[SPLIT]))
             if micro == GAS - 1:
                 read(point, ("grad", "master") + (MOMENTS if step > 0 else ()))
-                if step == 1:  # the setters of the gradient, then what they set
+                if step == 1:  # setters between backward and step, then what they set
                     blocks0 = params["blocks.0.qkv.weight"]
                     safe_set_full_grad(blocks0, 2.0 * safe_get_full_grad(blocks0))
                     scaled = [params["blocks.1.fc.weight"], params[SPLIT]]
                     safe_update_full_grad_vectorized(scaled, lambda grad, param: 0.5 * grad)
-                    read(point + " set", ("grad",))
+                    halved = params["blocks.1.qkv.weight"]  # the step then starts from the halved master
+                    safe_set_full_fp32_param(halved, 0.5 * safe_get_full_fp32_param(halved))
+                    read(point + " set", ("grad", "master"))
             engine.step()
         if not ours and step == 0:  # stock links the moments at its first step, before the second group has any
             optimizer._hp_optimizer_states_linked = False
