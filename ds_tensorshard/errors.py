@@ -35,3 +35,10 @@ class ModelSourceError(ValueError):
 
 class TensorShardUsageError(RuntimeError):
     """A use of the engine that ds_tensorshard cannot follow as stock does; names the parameter and the fix."""
+
+
+class TensorAccessError(ValueError):
+    """A ``deepspeed.utils`` ``safe_get_full_*``/``safe_set_full_*`` call a ds_tensorshard engine cannot answer:
+    a value of another shape than the tensor, an optimizer-state key the inner optimizer does not keep (or no
+    state before its first step), a gradient outside the step's window; names the tensor and the key. A
+    ValueError, as stock's own refusal there."""

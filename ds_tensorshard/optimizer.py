@@ -24,7 +24,7 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
-from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state
+from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import (
     Decision,
@@ -40,7 +40,8 @@ from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainabl
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
 from ds_tensorshard.datapath.update import OwnedShard
-from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.errors import TensorShardUsageError
+from ds_tensorshard.full_tensors import attach
 from ds_tensorshard.transports import open_transport
 from ds_tensorshard.versions import installed_release
 
@@ -61,6 +62,7 @@ class Phase(enum.Enum):
     """Where the optimizer is in a step; only its own methods change it."""
 
     ACCUMULATING = "accumulating"  # backward passes run; reductions may be in flight
+    REDUCED = "reduced"  # the boundary's backward was reduced: the step's gradients are on their owners
     PREPARED = "prepared"  # prepare_step() ran: the norm is known and the loss scale updated
     BROADCASTING = "broadcasting"  # step() ran with its broadcasts deferred; finish_broadcast() completes them
 
@@ -114,6 +116,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.pending_broadcast: Broadcast | None = None  # the broadcasts a deferred step() started
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
+        attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
         if engine.global_rank == 0:
             logger.info(
                 f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
@@ -242,10 +245,12 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
 
     def finalize_gradient_accumulation_boundary(self) -> None:
         """Stage 2 with caller-managed accumulation: every micro-step was already reduced; nothing is pending."""
+        self.phase = Phase.REDUCED
 
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
         self.reducer.finish(wait=not self.reduce_in_background)
+        self.phase = Phase.REDUCED if self._at_boundary() else self.phase
 
     def _at_boundary(self) -> bool:
         """The engine's accumulation boundary: a method with a setter since DeepSpeed 0.19.6, a plain
@@ -327,10 +332,4 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         """``engine.reload_states()``: every offloaded state back on the accelerator."""
         self.offload.reload(torch.device(get_accelerator().current_device_name()), non_blocking)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """Refused: the ownership plan, buckets and hooks are built for the groups given at initialize."""
-        raise TensorShardConfigError(
-            "add_param_group is not supported by ds_tensorshard: ownership, buckets and gradient hooks are planned "
-            "once, for the param groups given to deepspeed.initialize; pass every group there (a group may start "
-            "with lr 0)"
-        )
+    add_param_group = staticmethod(refuse_add_param_group)

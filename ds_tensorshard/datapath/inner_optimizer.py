@@ -11,7 +11,7 @@ one rank, exactly as an unsharded run updates it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -65,6 +65,15 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
         raise TensorShardConfigError(f"optimizer {name} cannot be sharded by ds_tensorshard: {REFUSED[name]}")
     if name == "FusedAdam" and any(group.get("amsgrad") for group in optimizer.param_groups):
         raise TensorShardConfigError("optimizer param group key 'amsgrad' is not supported with FusedAdam")
+
+
+def refuse_add_param_group(param_group: dict) -> NoReturn:
+    """Refused: the ownership plan, buckets and hooks are built for the groups given at initialize."""
+    raise TensorShardConfigError(
+        "add_param_group is not supported by ds_tensorshard: ownership, buckets and gradient hooks are planned "
+        "once, for the param groups given to deepspeed.initialize; pass every group there (a group may start "
+        "with lr 0)"
+    )
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:

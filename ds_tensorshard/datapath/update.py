@@ -125,6 +125,22 @@ class OwnedShard:
             master = self.masters[param]
             master.data = self._own(param).view(master.shape)
 
+    def separate_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The master of an owned ``param``, first made a tensor of its own where it is an fp32 model's own
+        storage: a master set from outside then reaches the model at the next step only, as stock's does."""
+        master = self.masters[param]
+        if master.data_ptr() != self._own(param).data_ptr():
+            return master
+        copy = master.clone(memory_format=torch.contiguous_format)
+        copy.grad = master.grad
+        group = self.optimizer.param_groups[self.group_of[param]]["params"]
+        group[next(i for i, m in enumerate(group) if m is master)] = copy
+        if master in self.optimizer.state:
+            self.optimizer.state[copy] = self.optimizer.state.pop(master)
+        self.masters[param] = copy
+        self.views.discard(param)  # no longer the model's storage: offloads leave it alone
+        return copy
+
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
         block = self.blocks[param]
         return param.data.view(-1)[block.start : block.stop]

@@ -71,3 +71,22 @@ def assert_cases_match(load: Callable[[str, int], dict], world: int, pairs: list
             assert_run_matches(
                 load(case, rank), load(reference, rank), case.split(":")[0], f"{case} vs {reference} rank {rank}"
             )
+
+
+def assert_full_tensors_match(ours: dict, stock: dict, exact: bool, where: str) -> None:
+    """Every tensor ``tests/workers/full_tensor_worker.py`` read through ``deepspeed.utils``' getters equals stock's:
+    bit for bit where ``exact`` (2 ranks: each element is summed in stock's order), else within the fp32
+    tolerance relative to the tensor's largest element (3 ranks: another summation order, carried on by Adam,
+    measured within 4.4e-7 of it; the moments are tiny, so an absolute tolerance would say nothing)."""
+    assert ours["seen"].keys() == stock["seen"].keys(), where
+    tol = TOLERANCE["fp32"]
+    for key, value in stock["seen"].items():
+        a = ours["seen"][key]
+        assert a.dtype == value.dtype == torch.float32 and a.shape == value.shape, f"{where}: {key}"
+        if exact:
+            assert torch.equal(a, value), f"{where}: {key}: max |diff| {(a - value).abs().max()}"
+            continue
+        scale = max(value.abs().max().item(), 1e-30)
+        torch.testing.assert_close(
+            a / scale, value / scale, rtol=tol["rtol"], atol=tol["atol"], msg=lambda m, key=key: f"{where}: {key}: {m}"
+        )

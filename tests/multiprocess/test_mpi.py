@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import WORKERS
-from tests.helpers.compare import assert_run_matches
+from tests.helpers.compare import assert_full_tensors_match, assert_run_matches
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
 from tests.workers.many_worker import assert_each_model_matches_stock, assert_overlapped
 
@@ -157,3 +157,16 @@ def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
                 "fp32" if scenario == "no_sync_stage1" else "bf16",
                 f"{scenario} rank {rank}",
             )
+
+
+def test_full_tensor_accessors_on_the_mpi_transport(tmp_path):
+    """deepspeed.utils' safe_get_full_* / safe_set_full_* (their all-reduce on the mpi transport) at stage 2 with
+    the split embedding: stock's values bit for bit, and the same training after the setters."""
+    mpiexec([os.path.join(WORKERS, "full_tensor_worker.py"), str(tmp_path), "fp32:stock:2", "fp32:tsmpi:2"], 2)
+    for rank in range(2):
+        ours, stock = (torch.load(tmp_path / f"fp32_{mode}_2.rank{rank}.pt") for mode in ("tsmpi", "stock"))
+        assert ours["optimizer_class"] == "TensorShardOptimizer" and list(ours["split"]) == ["wte.weight"]
+        assert_full_tensors_match(ours, stock, True, f"mpi rank {rank}")
+        assert_run_matches(ours, stock, "fp32", f"mpi rank {rank}")
+        assert ours["set_read_back"] == stock["set_read_back"] and all(ours["set_read_back"].values())
+        assert all(message.startswith(("TensorAccessError", "AssertionError")) for message in ours["refusals"].values())
