@@ -25,7 +25,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_tensorshard.checkpoints.files import (
-    DIGEST_SUFFIX,
+    digested_name,
     fsync_dir,
     load_for_deepspeed,
     read_latest,
@@ -59,7 +59,7 @@ def _shared_checkpoint_id() -> str:
 def _remove_stale_rank_files(folder: str, world_size: int) -> None:
     """Drop optimizer files of ranks >= world_size left by an earlier, larger save of the same tag."""
     for entry in os.listdir(folder):
-        ranks = parse_rank_file_name(entry.removesuffix(DIGEST_SUFFIX))
+        ranks = parse_rank_file_name(digested_name(entry) or entry)
         if ranks is not None and ranks[0] >= world_size:
             os.remove(os.path.join(folder, entry))
 

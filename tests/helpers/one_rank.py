@@ -6,7 +6,7 @@ from __future__ import annotations
 import deepspeed
 import torch
 
-from ds_tensorshard.checkpoints.files import file_digest
+from ds_tensorshard.checkpoints.files import digest_path, file_digest
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 
@@ -54,4 +54,5 @@ def plant(path, key: str, payload) -> None:
     target = content["optimizer_state_dict"] if "optimizer_state_dict" in content else content
     target[key] = payload
     torch.save(content, path)
-    (path.parent / (path.name + ".sha256")).write_text(file_digest(str(path)))
+    with open(digest_path(str(path)), "w") as f:
+        f.write(file_digest(str(path)))
