@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ from ds_tensorshard.checkpoints.sources import (
     mp_ranks,
     open_checkpoint,
 )
+from ds_tensorshard.checkpoints.stock_tools import copy_deepspeed_recovery_scripts
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
 
@@ -62,7 +64,9 @@ def fp32_state_dict(source: CheckpointSource, progress: Progress | None = None) 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
     states = {k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY}
     states["dp_world_size"] = world_size
-    states["param_shapes"] = [{n: torch.Size(source.shapes[n]) for n in names} for names in source.group_names]
+    states["param_shapes"] = [
+        OrderedDict((n, torch.Size(source.shapes[n])) for n in names) for names in source.group_names
+    ]
     if checkpoint_id is not None:
         states[CHECKPOINT_ID_KEY] = checkpoint_id
     return states
@@ -163,9 +167,13 @@ def to_zero(
     progress: Progress | None = None,
 ) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
-    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks.
+    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks;
+    every entry stock's ``state_dict()`` writes, ``param_slice_mappings`` (each tensor's slice of the
+    rank's partition, what ds_to_universal reads) included.
     ``progress(done, total)`` is called after each rank's file."""
+    from deepspeed.checkpoint import constants
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
@@ -175,16 +183,20 @@ def to_zero(
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
     keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
+    hyper = source.param_groups or [{} for _ in group_layouts]
     step = None
     for rank in range(world_size):
         masters, state, paddings = [], {}, []
+        slices: list[OrderedDict] = []  # param_slice_mappings: per group, name -> its slice of this partition
         for g, (names, total, part) in enumerate(group_layouts):
             flats = {k: torch.zeros(part) for k in ("master", *keys[g])}
             lo, hi, offset = rank * part, (rank + 1) * part, 0
+            slices.append(OrderedDict())
             for name in names:
                 numel = int(torch.Size(source.shapes[name]).numel())
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
+                    slices[g][name] = fragment_address(numel=b - a, start=a - lo)
                     saved = source.tensor(name)
                     step = saved.state.get("step") if step is None else step
                     for key in flats:
@@ -196,21 +208,26 @@ def to_zero(
             paddings.append(padding)
             masters.append(flats["master"][: part - padding].clone())
             state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
-        hyper = source.param_groups or [{} for _ in group_layouts]
+        optimizer_state = {
+            **_stock_scaler_fields(source),
+            "base_optimizer_state": {
+                "state": state,
+                "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
+            },
+            "single_partition_of_fp32_groups": masters,
+            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+            "group_paddings": paddings,
+        }
+        if hasattr(constants, "PARAM_ALIGNMENT_PADDINGS"):  # releases whose stock files have it (no alignment here)
+            optimizer_state[constants.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(names) for names, _, _ in group_layouts]
+        optimizer_state["partition_count"] = [world_size] * len(group_layouts)
+        optimizer_state["ds_version"] = source.model_states.get("ds_version")
+        optimizer_state["param_slice_mappings"] = slices
         save_atomic(
             {
-                "optimizer_state_dict": {
-                    **_stock_scaler_fields(source),
-                    "base_optimizer_state": {
-                        "state": state,
-                        "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
-                    },
-                    "single_partition_of_fp32_groups": masters,
-                    "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
-                    "group_paddings": paddings,
-                    "partition_count": [world_size] * len(group_layouts),
-                    "ds_version": source.model_states.get("ds_version"),
-                }
+                "optimizer_state_dict": optimizer_state,
+                "ds_config": source.model_states.get("ds_config"),
+                "ds_version": source.model_states.get("ds_version"),
             },
             _rank_file(folder, rank, source, mp_rank),
         )
@@ -259,5 +276,7 @@ def convert(
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:
             to_zero(source, dst, tag, world_size, stage, mp_rank, report)
+    if to == "zero":
+        copy_deepspeed_recovery_scripts(dst)
     write_text_atomic(os.path.join(dst, "latest"), tag)
     return os.path.join(dst, tag)
