@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -23,7 +23,7 @@ from ds_tensorshard.checkpoints.sources import (
     mp_ranks,
     open_checkpoint,
 )
-from ds_tensorshard.checkpoints.stock_tools import copy_deepspeed_recovery_scripts
+from ds_tensorshard.checkpoints.stock_tools import copy_deepspeed_recovery_scripts, write_recovery_script
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
 
@@ -43,21 +43,28 @@ def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False
 Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
 
 
-def fp32_state_dict(source: CheckpointSource, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+def fp32_state_dict(
+    source: CheckpointSource, progress: Progress | None = None, exclude_frozen: bool = False
+) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
-    tensors and buffers from the saved module; tied aliases share their owner's tensor.
+    tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
+    buffers from the saved module; tied aliases share their owner's tensor.
     ``progress(done, total)`` is called after each module entry."""
     module = source.model_states["module"]
+    buffers = set(source.model_states.get("buffer_names") or ())
     out: dict[str, torch.Tensor] = {}
     for done, (name, value) in enumerate(module.items(), 1):
         if progress is not None:
             progress(done, len(module))
         if name in source.shapes:
             out[name] = source.tensor(name).master.clone()
-        elif torch.is_tensor(value):
+        elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
     for alias, owner in (source.model_states.get("shared_params") or {}).items():
-        out[alias] = out[owner]
+        if owner in out:
+            out[alias] = out[owner]
+        else:
+            out.pop(alias, None)
     return out
 
 
@@ -70,6 +77,13 @@ def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: 
     if checkpoint_id is not None:
         states[CHECKPOINT_ID_KEY] = checkpoint_id
     return states
+
+
+def _zero_stage(source: CheckpointSource) -> int | None:
+    """The ZeRO stage the checkpoint's run used, from its config (None where it does not say)."""
+    config = source.model_states.get("ds_config")
+    stage = ((config.get("zero_optimization") or {}) if isinstance(config, Mapping) else {}).get("stage")
+    return int(stage) if stage in (1, 2) else None
 
 
 def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:
@@ -112,6 +126,7 @@ def to_tensorshard(
             loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
             overflow=scaler.overflow if scaler else False,
             clip_grad=scaler.clip_grad if scaler else 0.0,
+            zero_stage=_zero_stage(source),
         )
         save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
@@ -276,7 +291,9 @@ def convert(
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:
             to_zero(source, dst, tag, world_size, stage, mp_rank, report)
-    if to == "zero":
+    if to == "tensorshard":
+        write_recovery_script(dst)
+    else:
         copy_deepspeed_recovery_scripts(dst)
     write_text_atomic(os.path.join(dst, "latest"), tag)
     return os.path.join(dst, tag)

@@ -35,6 +35,7 @@ from ds_tensorshard.checkpoints.files import (
 )
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
 from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
+from ds_tensorshard.checkpoints.stock_tools import write_recovery_script
 from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
@@ -103,6 +104,11 @@ def wrap_save_checkpoint(original):
             )
         finally:
             del self.checkpoint_engine.save
+        if self.global_rank == 0:  # where DeepSpeed's save just copied its own zero_to_fp32.py
+            try:
+                write_recovery_script(save_dir)
+            except Exception as err:  # noqa: BLE001 - as for the checkpoint files
+                failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
         reports: list = [None] * dist.get_world_size()
         torch.distributed.all_gather_object(reports, failures)  # every rank learns whether all files are complete
         failed = [(rank, failure) for rank, found in enumerate(reports) for failure in found]

@@ -4,6 +4,9 @@ DeepSpeed names the file (:func:`rank_file_name`) and stores the optimizer's ``s
 under ``optimizer_state_dict``; that payload is a :class:`RankFile`. It holds only tensors and
 plain values, so it loads with ``torch.load(weights_only=True)`` and nothing else. Tensors are
 whole and keyed by parameter name, so any world size can read them.
+
+``zero_stage`` (1 or 2, the run's ZeRO stage) is there for Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict``, which reads it from the file itself to find the model file.
 """
 
 from __future__ import annotations
@@ -81,10 +84,13 @@ class RankFile:
     loss_scaler: dict[str, Any] = field(default_factory=dict)
     overflow: bool = False
     clip_grad: float = 0.0
+    zero_stage: int | None = None
+    """The ZeRO stage (1 or 2) the saving run used; None where a converter did not know it."""
     version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **({"zero_stage": self.zero_stage} if self.zero_stage is not None else {}),
             FORMAT_KEY: self.version,
             "checkpoint_id": self.checkpoint_id,
             "world_size": self.world_size,
@@ -129,6 +135,7 @@ class RankFile:
                 loss_scaler=dict(scaler or {}),
                 overflow=bool(payload["overflow"]),
                 clip_grad=float(payload["clip_grad"]),
+                zero_stage=int(payload["zero_stage"]) if payload.get("zero_stage") is not None else None,
                 version=version,
             )
         except (KeyError, TypeError, AttributeError) as err:

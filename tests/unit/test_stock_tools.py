@@ -1,5 +1,6 @@
-"""DeepSpeed's own tools on ds_tensorshard checkpoints (one rank, in this process): `convert-checkpoint --to zero`
-writes what stock ZeRO-2 writes, ds_to_universal converts it, and stock ZeRO loads the universal checkpoint.
+"""DeepSpeed's own tools on ds_tensorshard saves (one rank, in this process): the zero_to_fp32 functions (and
+HF's and Lightning's use of them), the zero_to_fp32.py in a save dir, and ds_to_universal on the output of
+`convert-checkpoint --to zero`, loaded by stock ZeRO.
 
 fp32 weights and optimizer state go through these tools by copying, so every comparison is exact.
 """
@@ -7,6 +8,7 @@ fp32 weights and optimizer state go through these tools by copying, so every com
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 
 import deepspeed
@@ -16,6 +18,7 @@ from deepspeed.checkpoint import ds_to_universal
 from deepspeed.utils import zero_to_fp32
 
 import ds_tensorshard  # noqa: F401
+from ds_tensorshard.checkpoints import stock_tools
 from ds_tensorshard.checkpoints.convert import convert
 from ds_tensorshard.checkpoints.sources import open_checkpoint
 from tests.helpers.one_rank import make_engine, train_and_save
@@ -29,11 +32,76 @@ RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 @pytest.fixture(scope="module")
 def saves(single_rank_world, tmp_path_factory):
-    """The same model trained the same way by ds_tensorshard and by stock ZeRO-2, saved (tag ``t``)."""
+    """The same model trained the same way by ds_tensorshard and by stock ZeRO-2, saved (tag ``t``), and
+    ``convert-checkpoint --to fp32`` of the ds_tensorshard save."""
     d = tmp_path_factory.mktemp("saves")
     train_and_save(make_engine("fp32", "ts", 2), d / "ts")
     train_and_save(make_engine("fp32", "stock", 2), d / "stock")
-    return {"ts": d / "ts", "stock": d / "stock"}
+    convert(str(d / "ts"), str(d / "weights.pt"), "fp32")
+    return {"ts": d / "ts", "stock": d / "stock", "weights": torch.load(d / "weights.pt")}
+
+
+def assert_same(ours: dict, reference: dict, dtype: torch.dtype = torch.float32) -> None:
+    assert set(ours) == set(reference), set(ours) ^ set(reference)
+    for name, value in reference.items():
+        assert ours[name].dtype == (dtype if value.is_floating_point() else value.dtype), name
+        assert torch.equal(ours[name], value.to(ours[name].dtype)), name
+
+
+def test_zero_to_fp32_functions_give_the_converters_weights(saves, tmp_path):
+    reference = saves["weights"]
+    # the public functions stay DeepSpeed's own objects (so a name bound before ds_tensorshard was imported
+    # reaches the wrapper): only the module's reader of a tag folder is wrapped
+    assert not hasattr(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint, "_ds_tensorshard_original")
+    assert stock_tools.installed()
+    assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"])), reference)
+    assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"]), "t", lazy_mode=True), reference)
+    without_frozen = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+        str(saves["ts"]), exclude_frozen_parameters=True
+    )
+    assert_same(without_frozen, {k: v for k, v in reference.items() if k != "frozen_scale"})
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(str(saves["ts"]), str(tmp_path / "out"))
+    assert_same(torch.load(tmp_path / "out" / "pytorch_model.bin"), reference)
+    zero_to_fp32.convert_zero_checkpoint_to_state_dict(str(saves["ts"]), str(tmp_path / "bf16"), dtype="bf16")
+    assert_same(torch.load(tmp_path / "bf16" / "pytorch_model.bin"), reference, torch.bfloat16)
+    # HF's documented way (transformers itself no longer calls zero_to_fp32)
+    model = zero_to_fp32.load_state_dict_from_zero_checkpoint(TinyGPT(vocab=VOCAB, seq=SEQ), str(saves["ts"]))
+    assert_same(model.state_dict(), reference)
+
+
+def test_a_stock_folder_still_goes_to_deepspeeds_code(saves):
+    stock = str(saves["stock"] / "t")
+    assert not stock_tools.holds_tensorshard_rank_files(stock)
+    original = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint._ds_tensorshard_original
+    for exclude in (False, True):
+        through_wrapper = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["stock"]), "t", exclude)
+        assert_same(through_wrapper, zero_to_fp32.to_torch_tensor(original(stock, exclude)))
+        ours = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"]), "t", exclude)
+        assert set(ours) == set(through_wrapper)  # stock's choice of entries, frozen ones left out alike
+
+
+def test_lightning_converter(saves, tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    written = convert_zero_checkpoint_to_fp32_state_dict(str(saves["ts"]), str(tmp_path / "lightning.pt"))
+    assert_same(written["state_dict"], saves["weights"])
+    assert_same(torch.load(tmp_path / "lightning.pt", weights_only=False)["state_dict"], saves["weights"])
+
+
+def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, tmp_path, monkeypatch):
+    script = saves["ts"] / "zero_to_fp32.py"
+    assert script.read_text() == open(stock_tools.SCRIPT).read() and os.access(script, os.X_OK)
+    monkeypatch.setattr(sys, "argv", [str(script), str(saves["ts"]), str(tmp_path / "out"), "-t", "t"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert_same(torch.load(tmp_path / "out" / "pytorch_model.bin"), saves["weights"])
+    # DeepSpeed's zero_to_torch.py beside it imports it as zero_to_fp32
+    monkeypatch.syspath_prepend(str(saves["ts"]))
+    monkeypatch.delitem(sys.modules, "zero_to_fp32", raising=False)
+    monkeypatch.setattr(sys, "argv", ["zero_to_torch.py", str(saves["ts"]), str(tmp_path / "torch"), "--dtype", "fp16"])
+    runpy.run_path(str(saves["ts"] / "zero_to_torch.py"), run_name="__main__")
+    sys.modules.pop("zero_to_fp32", None)
+    assert_same(torch.load(tmp_path / "torch" / "pytorch_model.bin"), saves["weights"], torch.float16)
 
 
 def run_ds_to_universal(monkeypatch, *args: str) -> None:
