@@ -23,7 +23,12 @@ from ds_tensorshard.checkpoints.sources import (
     mp_ranks,
     open_checkpoint,
 )
-from ds_tensorshard.checkpoints.stock_tools import copy_deepspeed_recovery_scripts, write_recovery_script
+from ds_tensorshard.checkpoints.stock_tools import (
+    copy_deepspeed_recovery_scripts,
+    refuse_universal_conversion,
+    without_universal_refusal,
+    write_recovery_script,
+)
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
 
@@ -69,14 +74,16 @@ def fp32_state_dict(
 
 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
-    states = {k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY}
+    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given) or stock ZeRO's (None)."""
+    states = without_universal_refusal({k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY})
     states["dp_world_size"] = world_size
     states["param_shapes"] = [
         OrderedDict((n, torch.Size(source.shapes[n])) for n in names) for names in source.group_names
     ]
-    if checkpoint_id is not None:
-        states[CHECKPOINT_ID_KEY] = checkpoint_id
-    return states
+    if checkpoint_id is None:
+        return states
+    states[CHECKPOINT_ID_KEY] = checkpoint_id
+    return refuse_universal_conversion(states)
 
 
 def _zero_stage(source: CheckpointSource) -> int | None:

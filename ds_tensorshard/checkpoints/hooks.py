@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import uuid
 import weakref
@@ -35,9 +36,14 @@ from ds_tensorshard.checkpoints.files import (
 )
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
 from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
-from ds_tensorshard.checkpoints.stock_tools import write_recovery_script
+from ds_tensorshard.checkpoints.stock_tools import (
+    refuse_universal_conversion,
+    without_universal_refusal,
+    write_recovery_script,
+)
 from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
+_MODEL_STATES = re.compile(r"mp_rank_\d+_model_states\.pt")
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
 _OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -86,6 +92,8 @@ def wrap_save_checkpoint(original):
             """Every file of this save goes to a staging folder (beside the tag's, never named like a tag);
             a failed write is recorded, not raised, so that no rank is left in DeepSpeed's barriers."""
             target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
+            if _MODEL_STATES.fullmatch(os.path.basename(path)):
+                state_dict = refuse_universal_conversion(state_dict)  # ds_to_universal: say why not
             try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 save_atomic(state_dict, target)
@@ -222,6 +230,7 @@ def wrap_load_checkpoint(original):
             del _OPENED[self]
             del self.checkpoint_engine.load
         if client_state:
+            client_state = without_universal_refusal(client_state)
             client_state.pop(CHECKPOINT_ID_KEY, None)
         return load_path, client_state
 

@@ -10,6 +10,11 @@
 - ``zero_to_fp32.py`` in a save dir: ds_tensorshard's saves and ``--to tensorshard`` conversions hold
   :mod:`.zero_to_fp32_script` under that name (DeepSpeed's command line, run with ds_tensorshard
   imported); ``--to zero`` conversions hold DeepSpeed's own copy, as a stock save does.
+- ``ds_to_universal``: the model-states file of a ds_tensorshard checkpoint declares, in
+  ``universal_checkpoint_info``, that no parameter can be converted and why (:func:`refuse_universal_conversion`).
+  DeepSpeed 0.19.8 checks that entry first and stops with the reason, which names ``convert-checkpoint``;
+  releases whose ds_to_universal lacks the check (0.19.0 and earlier, by their sources) fail later, on
+  the ZeRO entries the rank files do not have (``KeyError: 'param_slice_mappings'``).
 """
 
 from __future__ import annotations
@@ -18,13 +23,53 @@ import functools
 import os
 import stat
 from collections.abc import Mapping
+from typing import Any
 
 from ds_tensorshard.checkpoints import files
 from ds_tensorshard.checkpoints.rank_file import RankFile, parse_rank_file_name
 from ds_tensorshard.errors import CheckpointError
 
+UNIVERSAL_INFO = "universal_checkpoint_info"
+UNCONVERTIBLE = "autotp_unsupported_parameter_patterns"  # ds_to_universal: {pattern: reason}, refused if any
+EVERY_PARAMETER = ".*"
+UNIVERSAL_REFUSAL = (
+    "this is a ds_tensorshard checkpoint, whose rank files hold whole tensors by name rather than ZeRO's flat "
+    "partitions; ds_tensorshard loads it at any world size as it is, and "
+    "`ds-tensorshard convert-checkpoint SAVE_DIR OUT_DIR --to zero --world-size N` writes the stock ZeRO "
+    "checkpoint that ds_to_universal converts"
+)
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32_script.py")
 _MARK = "_ds_tensorshard_original"
+
+
+# -- ds_to_universal ----------------------------------------------------------------------------------
+def refuse_universal_conversion(model_states: Mapping[str, Any]) -> dict:
+    """``model_states`` (a model-states file's dict, not changed) with the entry that makes ds_to_universal
+    refuse it, kept beside any ``universal_checkpoint_info`` the states already have."""
+    info = dict(model_states.get(UNIVERSAL_INFO) or {})
+    info[UNCONVERTIBLE] = {**(info.get(UNCONVERTIBLE) or {}), EVERY_PARAMETER: UNIVERSAL_REFUSAL}
+    return {**model_states, UNIVERSAL_INFO: info}
+
+
+def _ours(reason: Any) -> bool:
+    return isinstance(reason, str) and reason.startswith("this is a ds_tensorshard checkpoint")
+
+
+def without_universal_refusal(model_states: Mapping[str, Any]) -> dict:
+    """``model_states`` as they were before :func:`refuse_universal_conversion` (a copy)."""
+    states = dict(model_states)
+    info = states.get(UNIVERSAL_INFO)
+    if not isinstance(info, Mapping) or not _ours((info.get(UNCONVERTIBLE) or {}).get(EVERY_PARAMETER)):
+        return states
+    info = dict(info)
+    unconvertible = {k: v for k, v in info.pop(UNCONVERTIBLE).items() if k != EVERY_PARAMETER}
+    if unconvertible:
+        info[UNCONVERTIBLE] = unconvertible
+    if info:
+        states[UNIVERSAL_INFO] = info
+    else:
+        del states[UNIVERSAL_INFO]
+    return states
 
 
 # -- zero_to_fp32.py in a save dir -----------------------------------------------------------------------

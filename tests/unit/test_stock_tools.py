@@ -1,6 +1,7 @@
 """DeepSpeed's own tools on ds_tensorshard saves (one rank, in this process): the zero_to_fp32 functions (and
-HF's and Lightning's use of them), the zero_to_fp32.py in a save dir, and ds_to_universal on the output of
-`convert-checkpoint --to zero`, loaded by stock ZeRO.
+HF's and Lightning's use of them), the zero_to_fp32.py in a save dir, ds_to_universal (a
+refusal naming convert-checkpoint on a save; the `--to zero` output converted and loaded by stock ZeRO), and
+a stock engine that loads a ds_tensorshard save stopping with an error naming ds_tensorshard.
 
 fp32 weights and optimizer state go through these tools by copying, so every comparison is exact.
 """
@@ -111,6 +112,15 @@ def run_ds_to_universal(monkeypatch, *args: str) -> None:
     ds_to_universal.main(ds_to_universal.parse_arguments())
 
 
+@pytest.mark.parametrize("inject", [False, True])
+def test_ds_to_universal_refuses_a_tensorshard_save_naming_convert_checkpoint(saves, tmp_path, monkeypatch, inject):
+    out = tmp_path / "universal"
+    args = ["--input_folder", str(saves["ts"] / "t"), "--output_folder", str(out)]
+    with pytest.raises(ValueError, match=r"ds_tensorshard checkpoint.*`ds-tensorshard convert-checkpoint .* --to zero"):
+        run_ds_to_universal(monkeypatch, *args, *(["--inject_missing_state"] if inject else []))
+    assert not out.exists()
+
+
 def test_to_zero_writes_what_stock_zero_writes(saves, tmp_path):
     convert(str(saves["ts"]), str(tmp_path / "zero"), "zero", world_size=1, stage=2)
     ours = torch.load(tmp_path / "zero" / "t" / RANK_FILE, weights_only=False)
@@ -156,3 +166,9 @@ def test_to_zero_feeds_ds_to_universal_and_stock_zero_loads_the_universal_checkp
             assert torch.equal(deepspeed.utils.safe_get_full_optimizer_state(param, key), saved.state[key]), (name, key)
     steps = {int(s["step"]) for s in stock.optimizer.optimizer.state.values()}
     assert steps == {source.tensor(next(iter(source.shapes))).state["step"]}
+
+
+def test_a_stock_engine_loading_a_tensorshard_save_stops_naming_ds_tensorshard(saves):
+    stock = make_engine("fp32", "stock", 2, seed=11)
+    with pytest.raises(Exception, match="ds_tensorshard rank file, not a ZeRO-1/2 optimizer file"):
+        stock.load_checkpoint(str(saves["ts"]))
