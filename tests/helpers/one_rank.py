@@ -30,11 +30,15 @@ def make_engine(dtype: str = "fp32", mode: str = "ts", stage: int = 2, seed: int
     return engine
 
 
-def train_and_save(engine, save_dir, steps: int = 2, tag: str = "t") -> None:
+def train(engine, steps: int = 2) -> None:
     gen = torch.Generator().manual_seed(3)
     for _ in range(steps * engine.gradient_accumulation_steps()):
         engine.backward(engine(torch.randint(0, VOCAB, (2, SEQ), generator=gen)))
         engine.step()
+
+
+def train_and_save(engine, save_dir, steps: int = 2, tag: str = "t") -> None:
+    train(engine, steps)
     engine.save_checkpoint(str(save_dir), tag=tag)
 
 
