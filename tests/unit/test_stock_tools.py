@@ -137,6 +137,12 @@ def test_to_zero_writes_what_stock_zero_writes(saves, tmp_path):
     listing = sorted(os.listdir(tmp_path / "zero"))
     assert listing == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]  # DeepSpeed's scripts, as a stock save
     assert (tmp_path / "zero" / "zero_to_fp32.py").read_bytes() == open(zero_to_fp32.__file__, "rb").read()
+    stock_engine = make_engine("fp32", "stock", 2, seed=11)  # and stock ZeRO-2 loads it (its own file layout)
+    stock_engine.load_checkpoint(str(tmp_path / "zero"))
+    source = open_checkpoint(str(saves["ts"] / "t"))
+    for name, param in stock_engine.module.named_parameters():
+        if name in source.shapes:
+            assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(param), source.tensor(name).master), name
 
 
 def test_to_zero_feeds_ds_to_universal_and_stock_zero_loads_the_universal_checkpoint(saves, tmp_path, monkeypatch):
