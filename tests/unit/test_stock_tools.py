@@ -91,9 +91,10 @@ def test_lightning_converter(saves, tmp_path):
     assert_same(torch.load(tmp_path / "lightning.pt", weights_only=False)["state_dict"], saves["weights"])
 
 
-def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, tmp_path, monkeypatch):
+def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, laid_out_for_two, tmp_path, monkeypatch):
+    for script in (saves["ts"] / "zero_to_fp32.py", laid_out_for_two / "zero_to_fp32.py"):  # a save, --to tensorshard
+        assert script.read_text() == open(stock_tools.SCRIPT).read() and os.access(script, os.X_OK)
     script = saves["ts"] / "zero_to_fp32.py"
-    assert script.read_text() == open(stock_tools.SCRIPT).read() and os.access(script, os.X_OK)
     monkeypatch.setattr(sys, "argv", [str(script), str(saves["ts"]), str(tmp_path / "out"), "-t", "t"])
     runpy.run_path(str(script), run_name="__main__")
     assert_same(torch.load(tmp_path / "out" / "pytorch_model.bin"), saves["weights"])
