@@ -7,7 +7,9 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
 - ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`;
 - ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): refused, naming what to use instead.
-Engines whose config does not enable the plugin run the stock methods untouched.
+Engines whose config does not enable the plugin run the stock methods untouched. It also routes
+``deepspeed.utils.zero_to_fp32`` to ds_tensorshard's converter for ds_tensorshard folders
+(:mod:`.checkpoints.stock_tools`; stock folders still go to DeepSpeed's code).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 
+from ds_tensorshard.checkpoints import stock_tools
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.config import TensorShardConfig, validate_engine_config, validate_parallel_layout
 from ds_tensorshard.datapath.inner_optimizer import check_supported
@@ -118,10 +121,11 @@ def install() -> None:
             wrapped = wrap(current)
             setattr(wrapped, _MARK, current)
             setattr(DeepSpeedEngine, name, wrapped)
+    stock_tools.install()
 
 
 def installed() -> bool:
-    return all(
+    return stock_tools.installed() and all(
         getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
         for name in _WRAPPERS
         if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)

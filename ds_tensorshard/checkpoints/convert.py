@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -21,6 +22,12 @@ from ds_tensorshard.checkpoints.sources import (
     model_states_name,
     mp_ranks,
     open_checkpoint,
+)
+from ds_tensorshard.checkpoints.stock_tools import (
+    copy_deepspeed_recovery_scripts,
+    refuse_universal_conversion,
+    without_universal_refusal,
+    write_recovery_script,
 )
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
@@ -41,31 +48,49 @@ def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False
 Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
 
 
-def fp32_state_dict(source: CheckpointSource, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+def fp32_state_dict(
+    source: CheckpointSource, progress: Progress | None = None, exclude_frozen: bool = False
+) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
-    tensors and buffers from the saved module; tied aliases share their owner's tensor.
+    tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
+    buffers from the saved module; tied aliases share their owner's tensor.
     ``progress(done, total)`` is called after each module entry."""
     module = source.model_states["module"]
+    buffers = set(source.model_states.get("buffer_names") or ())
     out: dict[str, torch.Tensor] = {}
     for done, (name, value) in enumerate(module.items(), 1):
         if progress is not None:
             progress(done, len(module))
         if name in source.shapes:
             out[name] = source.tensor(name).master.clone()
-        elif torch.is_tensor(value):
+        elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
     for alias, owner in (source.model_states.get("shared_params") or {}).items():
-        out[alias] = out[owner]
+        if owner in out:
+            out[alias] = out[owner]
+        else:
+            out.pop(alias, None)
     return out
 
 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
-    states = {k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY}
+    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given) or stock ZeRO's (None)."""
+    states = without_universal_refusal({k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY})
     states["dp_world_size"] = world_size
-    states["param_shapes"] = [{n: torch.Size(source.shapes[n]) for n in names} for names in source.group_names]
-    if checkpoint_id is not None:
-        states[CHECKPOINT_ID_KEY] = checkpoint_id
-    return states
+    states["param_shapes"] = [
+        OrderedDict((n, torch.Size(source.shapes[n])) for n in names) for names in source.group_names
+    ]
+    if checkpoint_id is None:
+        return states
+    states[CHECKPOINT_ID_KEY] = checkpoint_id
+    return refuse_universal_conversion(states)
+
+
+def _zero_stage(source: CheckpointSource) -> int | None:
+    """The ZeRO stage the checkpoint's run used, from its config (None where it does not say)."""
+    config = source.model_states.get("ds_config")
+    stage = ((config.get("zero_optimization") or {}) if isinstance(config, Mapping) else {}).get("stage")
+    return int(stage) if stage in (1, 2) else None
 
 
 def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:
@@ -108,6 +133,7 @@ def to_tensorshard(
             loss_scaler=(scaler.loss_scaler or {}) if scaler else {},
             overflow=scaler.overflow if scaler else False,
             clip_grad=scaler.clip_grad if scaler else 0.0,
+            zero_stage=_zero_stage(source),
         )
         save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
@@ -163,9 +189,13 @@ def to_zero(
     progress: Progress | None = None,
 ) -> None:
     """Write ``source`` in stock ZeRO-1/2's layout for ``world_size`` ranks: per group, one flat buffer in
-    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks.
+    param order padded to a multiple of 2 x world_size and split evenly, the padding on the last ranks;
+    every entry stock's ``state_dict()`` writes, ``param_slice_mappings`` (each tensor's slice of the
+    rank's partition, what ds_to_universal reads) included.
     ``progress(done, total)`` is called after each rank's file."""
+    from deepspeed.checkpoint import constants
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
@@ -175,16 +205,20 @@ def to_zero(
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
     keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
+    hyper = source.param_groups or [{} for _ in group_layouts]
     step = None
     for rank in range(world_size):
         masters, state, paddings = [], {}, []
+        slices: list[OrderedDict] = []  # param_slice_mappings: per group, name -> its slice of this partition
         for g, (names, total, part) in enumerate(group_layouts):
             flats = {k: torch.zeros(part) for k in ("master", *keys[g])}
             lo, hi, offset = rank * part, (rank + 1) * part, 0
+            slices.append(OrderedDict())
             for name in names:
                 numel = int(torch.Size(source.shapes[name]).numel())
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
+                    slices[g][name] = fragment_address(numel=b - a, start=a - lo)
                     saved = source.tensor(name)
                     step = saved.state.get("step") if step is None else step
                     for key in flats:
@@ -196,21 +230,26 @@ def to_zero(
             paddings.append(padding)
             masters.append(flats["master"][: part - padding].clone())
             state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
-        hyper = source.param_groups or [{} for _ in group_layouts]
+        optimizer_state = {
+            **_stock_scaler_fields(source),
+            "base_optimizer_state": {
+                "state": state,
+                "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
+            },
+            "single_partition_of_fp32_groups": masters,
+            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+            "group_paddings": paddings,
+        }
+        if hasattr(constants, "PARAM_ALIGNMENT_PADDINGS"):  # releases whose stock files have it (no alignment here)
+            optimizer_state[constants.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(names) for names, _, _ in group_layouts]
+        optimizer_state["partition_count"] = [world_size] * len(group_layouts)
+        optimizer_state["ds_version"] = source.model_states.get("ds_version")
+        optimizer_state["param_slice_mappings"] = slices
         save_atomic(
             {
-                "optimizer_state_dict": {
-                    **_stock_scaler_fields(source),
-                    "base_optimizer_state": {
-                        "state": state,
-                        "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
-                    },
-                    "single_partition_of_fp32_groups": masters,
-                    "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
-                    "group_paddings": paddings,
-                    "partition_count": [world_size] * len(group_layouts),
-                    "ds_version": source.model_states.get("ds_version"),
-                }
+                "optimizer_state_dict": optimizer_state,
+                "ds_config": source.model_states.get("ds_config"),
+                "ds_version": source.model_states.get("ds_version"),
             },
             _rank_file(folder, rank, source, mp_rank),
         )
@@ -259,5 +298,9 @@ def convert(
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:
             to_zero(source, dst, tag, world_size, stage, mp_rank, report)
+    if to == "tensorshard":
+        write_recovery_script(dst)
+    else:
+        copy_deepspeed_recovery_scripts(dst)
     write_text_atomic(os.path.join(dst, "latest"), tag)
     return os.path.join(dst, tag)

@@ -1,10 +1,13 @@
 """Checkpoint files: written completely or not at all, read without running code from them.
 
 A file is written to a temporary name, fsynced, then renamed over the target; its digest goes to
-``<file>.sha256`` the same way. Reading checks the digest (when there is one), then unpickles with
-``weights_only=True``: tensors, plain Python values and, for stock DeepSpeed files, the few
-DeepSpeed data types they hold (:data:`DEEPSPEED_TYPES`). Anything else is refused, naming the
-file and the type, before any of it is built.
+``.<file>.sha256`` beside it the same way (:func:`digest_path`). The leading dot keeps the side file
+out of DeepSpeed's own readers, which take every file of a tag folder whose name starts with
+``mp_rank_`` or ``zero_pp_rank_`` for a checkpoint file (``ds_to_universal``); a ``<file>.sha256``
+of an earlier ds_tensorshard is still checked. Reading checks the digest (when there is one), then
+unpickles with ``weights_only=True``: tensors, plain Python values and, for stock DeepSpeed files,
+the few DeepSpeed data types they hold (:data:`DEEPSPEED_TYPES`). Anything else is refused, naming
+the file and the type, before any of it is built.
 """
 
 from __future__ import annotations
@@ -77,24 +80,44 @@ def write_text_atomic(path: str, text: str) -> None:
     _replace_durably(write, path)
 
 
+def digest_path(path: str) -> str:
+    """Where the digest of the file at ``path`` is recorded: ``.<name>.sha256`` in the same folder."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{DIGEST_SUFFIX}")
+
+
+def digested_name(entry: str) -> str | None:
+    """The file name whose digest a folder entry holds (either naming), or None for any other entry."""
+    if not entry.endswith(DIGEST_SUFFIX):
+        return None
+    name = entry.removesuffix(DIGEST_SUFFIX)
+    return name[1:] if name.startswith(".") else name
+
+
+def recorded_digest(path: str) -> str | None:
+    """The digest side file of ``path`` that exists (this naming first, then ``<file>.sha256``), or None."""
+    for candidate in (digest_path(path), path + DIGEST_SUFFIX):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
 def save_atomic(state_dict: Any, path: str) -> None:
     """torch.save ``state_dict`` to ``path`` atomically, then record its digest."""
     _replace_durably(lambda tmp: torch.save(state_dict, tmp), path)
-    write_text_atomic(path + DIGEST_SUFFIX, file_digest(path))
+    write_text_atomic(digest_path(path), file_digest(path))
 
 
 def verify(path: str) -> None:
     """Refuse a missing file, or one whose bytes differ from its recorded digest."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
-    digest_path = path + DIGEST_SUFFIX
-    if os.path.isfile(digest_path):
-        with open(digest_path) as f:
+    recorded = recorded_digest(path)
+    if recorded is not None:
+        with open(recorded) as f:
             expected = f.read().strip()
         if file_digest(path) != expected:
-            raise CheckpointError(
-                f"checkpoint file {path} is truncated or corrupt (SHA-256 differs from {digest_path})"
-            )
+            raise CheckpointError(f"checkpoint file {path} is truncated or corrupt (SHA-256 differs from {recorded})")
 
 
 def _refusal(path: str, err: Exception) -> CheckpointError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import uuid
 import weakref
@@ -25,7 +26,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_tensorshard.checkpoints.files import (
-    DIGEST_SUFFIX,
+    digested_name,
     fsync_dir,
     load_for_deepspeed,
     read_latest,
@@ -35,8 +36,14 @@ from ds_tensorshard.checkpoints.files import (
 )
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
 from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
+from ds_tensorshard.checkpoints.stock_tools import (
+    refuse_universal_conversion,
+    without_universal_refusal,
+    write_recovery_script,
+)
 from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
+_MODEL_STATES = re.compile(r"mp_rank_\d+_model_states\.pt")
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
 _OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -59,7 +66,7 @@ def _shared_checkpoint_id() -> str:
 def _remove_stale_rank_files(folder: str, world_size: int) -> None:
     """Drop optimizer files of ranks >= world_size left by an earlier, larger save of the same tag."""
     for entry in os.listdir(folder):
-        ranks = parse_rank_file_name(entry.removesuffix(DIGEST_SUFFIX))
+        ranks = parse_rank_file_name(digested_name(entry) or entry)
         if ranks is not None and ranks[0] >= world_size:
             os.remove(os.path.join(folder, entry))
 
@@ -85,6 +92,8 @@ def wrap_save_checkpoint(original):
             """Every file of this save goes to a staging folder (beside the tag's, never named like a tag);
             a failed write is recorded, not raised, so that no rank is left in DeepSpeed's barriers."""
             target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
+            if _MODEL_STATES.fullmatch(os.path.basename(path)):
+                state_dict = refuse_universal_conversion(state_dict)  # ds_to_universal: say why not
             try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 save_atomic(state_dict, target)
@@ -103,6 +112,11 @@ def wrap_save_checkpoint(original):
             )
         finally:
             del self.checkpoint_engine.save
+        if self.global_rank == 0:  # where DeepSpeed's save just copied its own zero_to_fp32.py
+            try:
+                write_recovery_script(save_dir)
+            except Exception as err:  # noqa: BLE001 - as for the checkpoint files
+                failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
         reports: list = [None] * dist.get_world_size()
         torch.distributed.all_gather_object(reports, failures)  # every rank learns whether all files are complete
         failed = [(rank, failure) for rank, found in enumerate(reports) for failure in found]
@@ -216,6 +230,7 @@ def wrap_load_checkpoint(original):
             del _OPENED[self]
             del self.checkpoint_engine.load
         if client_state:
+            client_state = without_universal_refusal(client_state)
             client_state.pop(CHECKPOINT_ID_KEY, None)
         return load_path, client_state
 

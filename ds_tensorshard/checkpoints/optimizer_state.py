@@ -86,6 +86,7 @@ def rank_file(optimizer: TensorShardOptimizer) -> dict:
         loss_scaler=loss_scaler_fields(optimizer.loss_scaler),
         overflow=optimizer.overflow,
         clip_grad=optimizer.clip_grad,
+        zero_stage=2 if optimizer.partition_gradients else 1,
     ).to_dict()
 
 

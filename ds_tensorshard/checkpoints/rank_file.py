@@ -4,6 +4,12 @@ DeepSpeed names the file (:func:`rank_file_name`) and stores the optimizer's ``s
 under ``optimizer_state_dict``; that payload is a :class:`RankFile`. It holds only tensors and
 plain values, so it loads with ``torch.load(weights_only=True)`` and nothing else. Tensors are
 whole and keyed by parameter name, so any world size can read them.
+
+Two entries are there for DeepSpeed's own readers: ``zero_stage`` (1 or 2, the run's ZeRO stage), which
+Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` reads from the file itself to find the model
+file; and ``ds_version``, the first entry stock ZeRO-1/2's loader reads (and parses as a version) from
+an optimizer file, which here says what the file is, so that loading it without ds_tensorshard stops
+with an error naming ds_tensorshard (:data:`NOT_A_ZERO_FILE`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from ds_tensorshard.errors import CheckpointError
 
 FORMAT_KEY = "ds_tensorshard_format"
 FORMAT_VERSION = 2  # 2: loss scaler as plain fields, per-tensor state of any keys (1: a pickled scaler)
+# stock ZeRO-1/2 (plugin off) fails on this with "packaging.version.InvalidVersion: Invalid version: '<it>'"
+NOT_A_ZERO_FILE = (
+    "a ds_tensorshard rank file, not a ZeRO-1/2 optimizer file: load it with ds_tensorshard enabled, or write "
+    "a stock ZeRO checkpoint with `ds-tensorshard convert-checkpoint SAVE_DIR OUT_DIR --to zero --world-size N`"
+)
 _NAME = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -81,10 +92,14 @@ class RankFile:
     loss_scaler: dict[str, Any] = field(default_factory=dict)
     overflow: bool = False
     clip_grad: float = 0.0
+    zero_stage: int | None = None
+    """The ZeRO stage (1 or 2) the saving run used; None where a converter did not know it."""
     version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "ds_version": NOT_A_ZERO_FILE,
+            **({"zero_stage": self.zero_stage} if self.zero_stage is not None else {}),
             FORMAT_KEY: self.version,
             "checkpoint_id": self.checkpoint_id,
             "world_size": self.world_size,
@@ -129,6 +144,7 @@ class RankFile:
                 loss_scaler=dict(scaler or {}),
                 overflow=bool(payload["overflow"]),
                 clip_grad=float(payload["clip_grad"]),
+                zero_stage=int(payload["zero_stage"]) if payload.get("zero_stage") is not None else None,
                 version=version,
             )
         except (KeyError, TypeError, AttributeError) as err:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import deepspeed
 import torch
 
-from ds_tensorshard.checkpoints.files import file_digest
+from ds_tensorshard.checkpoints.files import digest_path, file_digest
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 
@@ -30,11 +30,15 @@ def make_engine(dtype: str = "fp32", mode: str = "ts", stage: int = 2, seed: int
     return engine
 
 
-def train_and_save(engine, save_dir, steps: int = 2, tag: str = "t") -> None:
+def train(engine, steps: int = 2) -> None:
     gen = torch.Generator().manual_seed(3)
     for _ in range(steps * engine.gradient_accumulation_steps()):
         engine.backward(engine(torch.randint(0, VOCAB, (2, SEQ), generator=gen)))
         engine.step()
+
+
+def train_and_save(engine, save_dir, steps: int = 2, tag: str = "t") -> None:
+    train(engine, steps)
     engine.save_checkpoint(str(save_dir), tag=tag)
 
 
@@ -54,4 +58,5 @@ def plant(path, key: str, payload) -> None:
     target = content["optimizer_state_dict"] if "optimizer_state_dict" in content else content
     target[key] = payload
     torch.save(content, path)
-    (path.parent / (path.name + ".sha256")).write_text(file_digest(str(path)))
+    with open(digest_path(str(path)), "w") as f:
+        f.write(file_digest(str(path)))

@@ -185,6 +185,35 @@ def test_fp32_export_of_tensorshard_checkpoint_and_of_its_zero_conversion_agree(
     assert model.head.weight is model.wte.weight
 
 
+def test_zero_to_fp32_py_of_a_two_rank_save_dir_gives_the_converters_weights(runs, tmp_path):
+    from ds_tensorshard.checkpoints.convert import convert
+
+    save = runs["dir"] / "c2"
+    command = [sys.executable, str(save / "zero_to_fp32.py"), str(save), str(tmp_path / "out")]
+    script = run_in_group(command, timeout=300)  # a fresh interpreter: the script itself imports ds_tensorshard
+    assert script.returncode == 0, script.stderr[-3000:]
+    convert(str(save), str(tmp_path / "w.pt"), "fp32")
+    ours, reference = torch.load(tmp_path / "out" / "pytorch_model.bin"), torch.load(tmp_path / "w.pt")
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+def test_to_zero_at_two_ranks_writes_the_slices_stock_zero2_writes_at_two_ranks(runs, tmp_path):
+    from ds_tensorshard.checkpoints.convert import convert
+
+    # c2 (ds_tensorshard) and s2 (stock) train the same model at 2 ranks: the same flat layout and slices
+    convert(str(runs["dir"] / "c2"), str(tmp_path / "zero"), "zero", world_size=2, stage=2)
+    for rank in range(2):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        ours = torch.load(tmp_path / "zero" / "step3" / name, weights_only=False)["optimizer_state_dict"]
+        stock = torch.load(runs["dir"] / "s2" / "step3" / name, weights_only=False)["optimizer_state_dict"]
+        assert list(ours) == list(stock)
+        for key in ("param_slice_mappings", "group_paddings", "param_alignment_paddings", "partition_count"):
+            assert ours[key] == stock[key], (rank, key)
+        assert [t.shape for t in ours["single_partition_of_fp32_groups"]] == [
+            t.shape for t in stock["single_partition_of_fp32_groups"]
+        ]
+
+
 def test_plan_of_a_checkpoint(laid_out_for_two):
     out = cli("plan", "--checkpoint", laid_out_for_two, "--world-size", "3", "--json")
     report = json.loads(out[out.index("[") :])

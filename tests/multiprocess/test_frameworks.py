@@ -116,7 +116,7 @@ def hf_run(mode: str, tmp_path) -> dict:
             "zero_pp_rank_0_mp_rank_00_optim_states.pt",
             "zero_pp_rank_1_mp_rank_00_optim_states.pt",
         ]
-        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt.sha256" in names
+        assert ".zero_pp_rank_0_mp_rank_00_optim_states.pt.sha256" in names
     return load(results)
 
 

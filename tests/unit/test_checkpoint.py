@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.checkpoints.files import file_digest
+from ds_tensorshard.checkpoints.files import digest_path, file_digest
 from ds_tensorshard.checkpoints.rank_file import FORMAT_KEY
 from ds_tensorshard.errors import CheckpointError
 from tests.helpers.compare import ACROSS_WORLDS
@@ -68,5 +68,6 @@ def test_unknown_format_version_is_refused(laid_out_for_two, tmp_path, engine):
     content = torch.load(path, weights_only=False)
     content["optimizer_state_dict"][FORMAT_KEY] = 99
     torch.save(content, path)
-    (tag / (path.name + ".sha256")).write_text(file_digest(str(path)))
+    with open(digest_path(str(path)), "w") as f:
+        f.write(file_digest(str(path)))
     assert_refused(engine(), d, "format version 99")

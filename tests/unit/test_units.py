@@ -165,7 +165,7 @@ def test_checkpoint_files_are_atomic_verified_and_refuse_code(tmp_path):
     save_atomic({"x": torch.ones(3), "n": 3}, path)
     verify(path)
     assert load(path)["n"] == 3
-    assert sorted(os.listdir(tmp_path)) == ["f.pt", "f.pt.sha256"]  # no temporary file left
+    assert sorted(os.listdir(tmp_path)) == [".f.pt.sha256", "f.pt"]  # no temporary file left
     with open(path, "r+b") as f:
         f.seek(10)
         byte = f.read(1)
@@ -185,3 +185,22 @@ def test_checkpoint_files_are_atomic_verified_and_refuse_code(tmp_path):
         pickle.dump([1], f)
     with pytest.raises(CheckpointError, match="cannot read checkpoint file"):
         load(path)
+
+
+def test_digest_side_files_stay_out_of_deepspeeds_file_lists_and_old_ones_are_still_checked(tmp_path):
+    from deepspeed.checkpoint.reshape_utils import get_files, get_files_with_prefix
+
+    folder = tmp_path / "tag"
+    folder.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        save_atomic({"x": torch.ones(2)}, str(folder / name))
+    # ds_to_universal takes every file whose name starts so for a checkpoint file
+    found = get_files(str(folder))
+    assert [os.path.basename(f) for f in get_files_with_prefix(found, "mp_rank_")] == ["mp_rank_00_model_states.pt"]
+    assert len(get_files_with_prefix(found, "zero_pp_rank_")) == 1
+    old = str(tmp_path / "old.pt")  # an earlier ds_tensorshard's naming: <file>.sha256
+    torch.save({"x": torch.ones(2)}, old)
+    with open(old + ".sha256", "w") as f:
+        f.write("0" * 64)
+    with pytest.raises(CheckpointError, match=r"old.pt is truncated or corrupt .*old.pt.sha256"):
+        verify(old)
