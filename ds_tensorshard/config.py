@@ -121,6 +121,13 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             )
     if zero.get("cpu_offload"):
         raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
+    compile_block = param_dict.get("compile")
+    if isinstance(compile_block, Mapping) and compile_block.get("deepcompile"):
+        raise TensorShardConfigError(
+            f"'compile.deepcompile' is not supported with '{BLOCK}.enabled': DeepCompile's ZeRO-1/2 passes reduce "
+            "into stock DeepSpeedZeroOptimizer's flat partitions; remove it (engine.compile() without DeepCompile, "
+            "torch.compile of the module, is supported)"
+        )
     if stage == 2 and zero.get("reduce_scatter", True):  # stock ZeRO-2 asserts these (stage_1_and_2.py)
         if param_dict.get("gradient_predivide_factor", 1.0) != 1.0:
             raise TensorShardConfigError(
