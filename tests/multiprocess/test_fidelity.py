@@ -1,8 +1,9 @@
 """No silent divergence, with real ranks (3 ranks, gloo; see feature_worker.py): no_sync at stage 1, fp16
 stage 1 loss-scale trajectory over 32 steps with overflows, communication_data_type fp32 for bf16, bf16 with
 fp32 gradient accumulation at stage 1 (stock: BF16_Optimizer), a zero-element parameter,
-gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_gradients false; and the
-global norm's memory (a subprocess).
+gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_gradients false, two
+backwards in a micro-step, activation checkpointing (torch's non-reentrant and reentrant, DeepSpeed's) and
+engine.compile() (aot_eager; inductor behind -m extended); and the global norm's memory (a subprocess).
 """
 
 from __future__ import annotations
@@ -17,37 +18,49 @@ import ds_tensorshard  # noqa: F401
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches
 from tests.helpers.ranks import run_in_group, run_ranks
-from tests.workers.feature_worker import SCENARIOS
+from tests.workers.feature_worker import CHECKPOINTED, COMPILED, EXTENDED, SCENARIOS
 
 WORLD = 3
 
 
-@pytest.fixture(scope="module")
-def features(tmp_path_factory):
-    out = tmp_path_factory.mktemp("features")
-    run_ranks(
-        [
-            os.path.join(WORKERS, "feature_worker.py"),
-            str(out),
-            *[f"{s}:{m}" for s in SCENARIOS for m in ("stock", "ts")],
-        ],
-        WORLD,
-    )
+def run_scenarios(out, scenarios):
+    """Every scenario with stock and with ds_tensorshard, in one launch; returns ``load(case, rank)``."""
+    cases = [f"{s}:{m}" for s in scenarios for m in ("stock", "ts")]
+    run_ranks([os.path.join(WORKERS, "feature_worker.py"), str(out), *cases], WORLD)
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"fp16_stage1_scale"}))
-def test_feature_matches_stock(features, scenario):
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    return run_scenarios(tmp_path_factory.mktemp("features"), [s for s in SCENARIOS if s not in EXTENDED])
+
+
+def assert_matches_stock(features, scenario):
     for rank in range(WORLD):
-        assert_run_matches(
-            features(f"{scenario}:ts", rank),
-            features(f"{scenario}:stock", rank),
-            SCENARIOS[scenario][0],
-            f"{scenario} rank {rank}",
-        )
+        ours, stock = features(f"{scenario}:ts", rank), features(f"{scenario}:stock", rank)
+        assert_run_matches(ours, stock, SCENARIOS[scenario][0], f"{scenario} rank {rank}")
+        if scenario in COMPILED:
+            assert ours["compiled"] and stock["compiled"]
+        if scenario in CHECKPOINTED:  # the first block ran twice per micro-step: forward, then recomputed
+            assert ours["block_calls"] == stock["block_calls"] == 2 * len(stock["losses"])
     assert features(f"{scenario}:ts", 0)["optimizer_class"] == "TensorShardOptimizer"
     if scenario == "bf16_accum_fp32_stage1":  # stock leaves ZeRO for its BF16_Optimizer here
         assert features(f"{scenario}:stock", 0)["optimizer_class"] == "BF16_Optimizer"
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"fp16_stage1_scale"} - EXTENDED))
+def test_feature_matches_stock(features, scenario):
+    assert_matches_stock(features, scenario)
+
+
+@pytest.mark.extended
+def test_compile_with_inductor_matches_stock(tmp_path):
+    """engine.compile() with its CPU default backend, inductor: the C++ kernels it builds take minutes of CPU at
+    3 ranks on 2 cores (measured 136-190 s with a cold cache), so this is the extended tier's; the default run
+    has the same scenarios under aot_eager (the same AOTAutograd graphs, eager kernels)."""
+    features = run_scenarios(tmp_path, sorted(EXTENDED))
+    for scenario in sorted(EXTENDED):
+        assert_matches_stock(features, scenario)
 
 
 def test_fp16_stage1_follows_stocks_loss_scale_through_overflows(features):
