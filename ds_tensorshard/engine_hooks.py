@@ -5,6 +5,7 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
+- ``compile``: refuse ``compiled_autograd_enabled``, an argument initialize cannot see;
 - ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`;
 - ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): refused, naming what to use instead.
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
@@ -25,7 +26,7 @@ from ds_tensorshard.checkpoints import stock_tools
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.config import TensorShardConfig, validate_engine_config, validate_parallel_layout
 from ds_tensorshard.datapath.inner_optimizer import check_supported
-from ds_tensorshard.errors import TensorShardUsageError
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -99,16 +100,34 @@ def _wrap_coalesce(original):
     return coalesce_grad_reduction
 
 
+def _wrap_compile(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        if _enabled_config(self) is not None and arguments.get("compiled_autograd_enabled"):
+            raise TensorShardConfigError(
+                "engine.compile(compiled_autograd_enabled=True) is not supported by ds_tensorshard: compiled "
+                "autograd traces the gradient hooks, which start the reductions onto owners (stock ZeRO-2's hooks "
+                "fail to trace too); call engine.compile() without it"
+            )
+        return original(self, *args, **kwargs)
+
+    return compile
+
+
 _WRAPPERS = {
     "__init__": _wrap_init,
     "_do_optimizer_sanity_check": _wrap_sanity_check,
     "_configure_zero_optimizer": _wrap_configure_zero,
+    "compile": _wrap_compile,
     "save_checkpoint": wrap_save_checkpoint,
     "load_checkpoint": wrap_load_checkpoint,
     "_load_zero_checkpoint": wrap_load_zero_checkpoint,
     "coalesce_grad_reduction": _wrap_coalesce,
 }
-_OPTIONAL = {"coalesce_grad_reduction"}  # engine methods that older DeepSpeed releases do not have
+_OPTIONAL = {"coalesce_grad_reduction", "compile"}  # engine methods that older DeepSpeed releases do not have
 
 
 def install() -> None:

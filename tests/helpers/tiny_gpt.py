@@ -1,4 +1,5 @@
-"""A small GPT-style model for the equivalence tests: tied embeddings, a frozen and an unused parameter."""
+"""A small GPT-style model for the equivalence tests: tied embeddings, a frozen and an unused parameter, and
+optionally each block under activation checkpointing."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
+
+# TinyGPT(checkpointing=...): how each block is recomputed in backward (each block's parameters used once)
+CHECKPOINTING = ("non_reentrant", "reentrant", "deepspeed")
 
 
 class Block(nn.Module):
@@ -31,9 +36,29 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+def checkpointed(block: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
+    """``block(x)``, its activations recomputed in backward: torch's checkpoint without or with reentrant
+    autograd, or DeepSpeed's own (``deepspeed.checkpointing.checkpoint``, reentrant)."""
+    if how == "deepspeed":
+        import deepspeed
+
+        return deepspeed.checkpointing.checkpoint(block, x)
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=how == "reentrant")
+
+
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 2, heads: int = 2, seq: int = 16) -> None:
+    def __init__(
+        self,
+        vocab: int = 64,
+        width: int = 32,
+        layers: int = 2,
+        heads: int = 2,
+        seq: int = 16,
+        checkpointing: str | None = None,
+    ) -> None:
         super().__init__()
+        assert checkpointing in (None, *CHECKPOINTING), checkpointing
+        self.checkpointing = checkpointing
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -49,7 +74,7 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos) + self.frozen_scale
-        for block in self.blocks:
-            x = block(x)
+        for block in self.blocks:  # the blocks' input requires grad (the embedding trains), as reentrant needs
+            x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

@@ -5,8 +5,9 @@ ZeRO-2, and each resuming its own checkpoint (saved at step 3 of 6 on 2 ranks) t
 ranks (Lightning: 4, see lightning_run), matching stock ZeRO-2 resumed through the framework on the saving 2
 ranks (Lightning's own resume does not reproduce the uninterrupted run, stock or not; ``FRAMEWORKS_OUT``
 records by how much). TRL's ``DPOTrainer`` with a reference model, under ``accelerate launch`` with the same
-config file, matches it with stock ZeRO-2 too, its reference engine (stage 0, built by TRL) running as stock.
-The examples are ds_tensorshard/examples/{hf_trainer,accelerate_train,lightning_train,trl_dpo}.py;
+config file, matches it with stock ZeRO-2 too, its reference engine (stage 0, built by TRL) running as stock;
+and a PEFT LoRA fine-tune (frozen base, adapters only) against stock ZeRO-2. The examples are
+ds_tensorshard/examples/{hf_trainer,accelerate_train,lightning_train,trl_dpo,peft_lora}.py;
 tests/helpers/cpu_site lifts the frameworks' "CUDA only" checks (see there; TRL has none of its own).
 The first run installs the ``frameworks`` extra into this venv when it is missing.
 """
@@ -37,7 +38,9 @@ FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["pa
 
 @pytest.fixture(scope="module", autouse=True)
 def frameworks_installed():
-    missing = [m for m in ("transformers", "accelerate", "lightning", "trl") if importlib.util.find_spec(m) is None]
+    missing = [
+        m for m in ("transformers", "accelerate", "lightning", "trl", "peft") if importlib.util.find_spec(m) is None
+    ]
     if missing:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"], capture_output=True, text=True
@@ -269,3 +272,30 @@ def test_lightning_refuses_cpu_without_the_test_bypass(tmp_path):
     env = {**launcher_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert proc.returncode != 0 and "only supported on CUDA GPUs" in proc.stdout + proc.stderr
+
+
+# -- PEFT LoRA -------------------------------------------------------------------------------------
+def peft_run(stock: bool, checkpointing: str, tmp_path) -> dict:
+    results = tmp_path / f"peft_{'stock' if stock else 'ts'}.pt"
+    args = ["-m", "ds_tensorshard.examples.peft_lora", "--checkpointing", checkpointing, "--results", str(results)]
+    run_ranks(args + (["--stock"] if stock else []), 2)
+    return load(results)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non_reentrant", "reentrant"])
+def test_peft_lora_adapters_only(tmp_path, checkpointing):
+    """LoRA on every projection of a GPT-2 whose own weights are frozen (with Transformers' activation
+    checkpointing too): the same losses and adapters as stock ZeRO-2 on 2 ranks, the base weights untouched."""
+    from ds_tensorshard.examples.peft_lora import lora_model
+
+    stock, ours = peft_run(True, checkpointing, tmp_path), peft_run(False, checkpointing, tmp_path)
+    assert (stock["optimizer_class"], ours["optimizer_class"]) == ("DeepSpeedZeroOptimizer", "TensorShardOptimizer")
+    assert sorted(ours["losses"]) == list(range(1, 7))
+    assert_same_run(ours, stock, f"PEFT LoRA (checkpointing {checkpointing}): ds_tensorshard vs stock ZeRO-2, 2 ranks")
+    initial = {n: p.detach() for n, p in lora_model("none").named_parameters()}
+    assert initial.keys() == ours["params"].keys()
+    for name, value in initial.items():
+        if ".lora_" not in name:
+            assert torch.equal(ours["params"][name], value), f"frozen {name} changed"
+        elif ".lora_B." in name:  # zero at the start: trained
+            assert ours["params"][name].abs().max() > 0, name

@@ -64,6 +64,7 @@ BAD = [
     ({"tensorshard": {"enabled": True, "bucket_numel": 1.5}}, "'tensorshard.bucket_numel'"),
     ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'optimizer.type' 'OneBitAdam' cannot be sharded"),
+    ({"compile": {"deepcompile": True}}, "'compile.deepcompile' is not supported"),
 ]
 
 

@@ -18,7 +18,7 @@ from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
-from tests.helpers.tiny_gpt import TinyGPT
+from tests.helpers.tiny_gpt import CHECKPOINTING, TinyGPT
 from tests.workers.equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_groups
 
 # scenario -> (dtype, stage, gradient accumulation steps, optimizer steps, top-level keys, zero_optimization keys)
@@ -44,6 +44,15 @@ SCENARIOS = {
     "two_backwards_stage1": ("fp32", 1, 2, 4, {}, {}),
     "two_backwards_stage2": ("fp32", 2, 2, 4, {}, {}),
 }
+# scenario -> how TinyGPT's blocks are checkpointed (tests/helpers/tiny_gpt.py): each block's parameters once
+CHECKPOINTED = {f"checkpoint_{how}_stage{stage}": how for how in CHECKPOINTING for stage in (1, 2)}
+# scenario -> the backend of engine.compile() (torch.compile of the module; stock compiled the same way).
+# aot_eager runs AOTAutograd's forward and backward graphs with eager kernels; inductor, the CPU default,
+# generates and builds C++ kernels, minutes of CPU at 3 ranks on 2 cores: those scenarios are in EXTENDED
+COMPILED = {f"compile_{backend}_stage{stage}": backend for backend in ("aot_eager", "inductor") for stage in (1, 2)}
+EXTENDED = {name for name, backend in COMPILED.items() if backend == "inductor"}  # test_fidelity: -m extended
+SCENARIOS.update({name: ("fp32", int(name[-1]), 2, 4, {}, {}) for name in CHECKPOINTED})
+SCENARIOS.update({name: ("fp32", int(name[-1]), 2, 3, {}, {}) for name in COMPILED})
 SUM = {"gradient_allreduce_op": "sum"}
 AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bf16"}}
 # the same columns; torch_autocast last: once any engine of a process enabled it, stock ZeRO sends every later
@@ -77,8 +86,16 @@ def run_case(case: str, out_dir: str) -> None:
     config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
     config["zero_optimization"].update(zero)
     torch.manual_seed(1234)
-    model = WithEmptyParameter() if scenario == "zero_numel" else TinyGPT(vocab=VOCAB, seq=SEQ)
+    if scenario == "zero_numel":
+        model = WithEmptyParameter()
+    else:
+        model = TinyGPT(vocab=VOCAB, seq=SEQ, checkpointing=CHECKPOINTED.get(scenario))
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    if scenario in COMPILED:
+        engine.compile(backend=COMPILED[scenario])
+    block_calls: list[None] = []  # the first block's forwards: with checkpointing, its recomputation too
+    if scenario in CHECKPOINTED:
+        engine.module.blocks[0].register_forward_pre_hook(lambda module, args: block_calls.append(None))
     losses, norms, scales = [], [], []
     micro = 0
     for step in range(steps):
@@ -113,6 +130,8 @@ def run_case(case: str, out_dir: str) -> None:
         "loss_scales": scales,
         "skipped_steps": engine.skipped_steps,
         "optimizer_class": type(optimizer).__name__,
+        "compiled": engine.is_compiled,
+        "block_calls": len(block_calls),
         "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
     }
     torch.save(result, os.path.join(out_dir, f"{scenario}_{mode}.rank{rank}.pt"))
