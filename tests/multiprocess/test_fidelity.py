@@ -3,9 +3,10 @@ stage 1 loss-scale trajectory over 32 steps with overflows, communication_data_t
 fp32 gradient accumulation at stage 1 (stock: BF16_Optimizer), a zero-element parameter,
 gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_gradients false, two
 backwards in a micro-step, activation checkpointing (torch's non-reentrant and reentrant, DeepSpeed's) and
-engine.compile() (aot_eager; inductor behind -m extended); and the global norm's memory (a subprocess). At 2 ranks, in one launch: the DeepSpeed 0.17-0.19 keys ds_tensorshard
-follows (gradient_allreduce_op "sum", managed_gradient_accumulation false, torch_autocast bf16) and
-PyTorch-style backward (loss.backward() and engine.step(); fp16 through engine.scale(loss)) at stages 1 and 2.
+engine.compile() (aot_eager; inductor behind -m extended); and the global norm's memory (a subprocess).
+At 2 ranks, in one launch: the DeepSpeed 0.17-0.19 keys ds_tensorshard follows (gradient_allreduce_op
+"sum", managed_gradient_accumulation false, torch_autocast bf16) and PyTorch-style backward (loss.backward()
+and engine.step(); fp16 through engine.scale(loss)) at stages 1 and 2.
 """
 
 from __future__ import annotations
