@@ -6,7 +6,7 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
 - ``compile``: refuse ``compiled_autograd_enabled``, an argument initialize cannot see;
-- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoint_hooks`;
+- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoints.hooks`;
 - ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): refused, naming what to use instead.
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
 ``deepspeed.utils.zero_to_fp32`` to ds_tensorshard's converter for ds_tensorshard folders
