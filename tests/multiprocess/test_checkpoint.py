@@ -19,6 +19,7 @@ from tests.helpers import ROOT, WORKERS
 from tests.helpers.compare import ACROSS_WORLDS
 from tests.helpers.ranks import run_cli, run_in_group, run_ranks, run_until_one_dies
 from tests.helpers.tiny_gpt import TinyGPT
+from tests.workers.checkpoint_worker import command
 from tests.workers.equivalence_worker import SEQ, VOCAB
 
 WORKER = os.path.join(WORKERS, "checkpoint_worker.py")
@@ -26,40 +27,25 @@ WORKER = os.path.join(WORKERS, "checkpoint_worker.py")
 FP32, BF16 = ACROSS_WORLDS["fp32"], ACROSS_WORLDS["bf16"]  # resumes at another world size (compare.py)
 
 
-def train(out, dtype, mode, stage, world, *extra):
-    run_ranks([WORKER, str(out), dtype, mode, str(stage), "6", *map(str, extra)], world)
-    return torch.load(out)
+def train(world, *runs):
+    """Each run = (OUT, DTYPE, MODE, STAGE, *OPTIONS), trained for 6 steps one after another in one launch of
+    ``world`` ranks; returns each run's losses and parameters."""
+    run_ranks(command(*[(out, dtype, mode, stage, 6, *options) for out, dtype, mode, stage, *options in runs]), world)
+    return [torch.load(run[0]) for run in runs]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every checkpoint run of this module, in six launches: a world size's runs share one, in the order
+    their checkpoints are made."""
     d = tmp_path_factory.mktemp("ckpt")
     r = {"dir": d}
-    r["ref2"] = train(d / "ref2.pt", "fp32", "ts", 2, 2, "--save", d / "c2", "--save-at", 3)
-    r["ref3"] = train(d / "ref3.pt", "fp32", "ts", 2, 3, "--save", d / "c3", "--save-at", 3)
-    r["2to3"] = train(d / "l23.pt", "fp32", "ts", 2, 3, "--load", d / "c2")
-    r["3to2"] = train(d / "l32.pt", "fp32", "ts", 2, 2, "--load", d / "c3")
-    r["3to1"] = train(d / "l31.pt", "fp32", "ts", 2, 1, "--load", d / "c3")
-    r["stock2"] = train(d / "s2.pt", "fp32", "stock", 2, 2, "--save", d / "s2", "--save-at", 3)
-    r["stock2to2"] = train(d / "ls22.pt", "fp32", "ts", 2, 2, "--load", d / "s2")
-    r["stock2to3s1"] = train(d / "ls23.pt", "fp32", "ts", 1, 3, "--load", d / "s2")
-    universal = run_in_group(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(d / "s2" / "step3"),
-            "--output_folder",
-            str(d / "s2" / "step3_universal"),
-            "--inject_missing_state",
-        ],
-        timeout=300,
+    r["ref2"], r["stock2"], r["stock2to2"] = train(
+        2,
+        (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
+        (d / "s2.pt", "fp32", "stock", 2, "--save", d / "s2", "--save-at", 3),
+        (d / "ls22.pt", "fp32", "ts", 2, "--load", d / "s2"),
     )
-    assert universal.returncode == 0, universal.stderr[-3000:]
-    r["universal3"] = train(d / "lu3.pt", "fp32", "ts", 2, 3, "--load", d / "s2", "--universal")
-    r["stock1bf16"] = train(d / "sb.pt", "bf16", "stock", 1, 3, "--save", d / "sb", "--save-at", 3)
-    r["stock1bf16to2"] = train(d / "lsb.pt", "bf16", "ts", 1, 2, "--load", d / "sb")
     codes = run_until_one_dies(
         [
             WORKER,
@@ -81,12 +67,40 @@ def runs(tmp_path_factory):
     r["kill_codes"] = codes
     r["after_kill_listing"] = sorted(os.listdir(d / "k"))
     r["after_kill_step4"] = sorted(os.listdir(d / "k" / "step4")) if (d / "k" / "step4").exists() else []
-    r["after_kill"] = train(d / "lk.pt", "fp32", "ts", 2, 2, "--load", d / "k", "--save", d / "k", "--save-at", 4)
-    r["after_resave_listing"] = sorted(os.listdir(d / "k"))
-    cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
-    r["converted_stock"] = train(d / "lcs.pt", "fp32", "ts", 2, 2, "--load", d / "s2_as_ts")
+    universal = run_in_group(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(d / "s2" / "step3"),
+            "--output_folder",
+            str(d / "s2" / "step3_universal"),
+            "--inject_missing_state",
+        ],
+        timeout=300,
+    )
+    assert universal.returncode == 0, universal.stderr[-3000:]
     cli("convert-checkpoint", d / "c2", d / "c2_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
-    r["stock_from_ts"] = train(d / "lsz.pt", "fp32", "stock", 2, 3, "--load", d / "c2_as_zero")
+    r["ref3"], r["stock1bf16"], r["2to3"], r["stock2to3s1"], r["universal3"], r["stock_from_ts"] = train(
+        3,
+        (d / "ref3.pt", "fp32", "ts", 2, "--save", d / "c3", "--save-at", 3),
+        (d / "sb.pt", "bf16", "stock", 1, "--save", d / "sb", "--save-at", 3),
+        (d / "l23.pt", "fp32", "ts", 2, "--load", d / "c2"),
+        (d / "ls23.pt", "fp32", "ts", 1, "--load", d / "s2"),
+        (d / "lu3.pt", "fp32", "ts", 2, "--load", d / "s2", "--universal"),
+        (d / "lsz.pt", "fp32", "stock", 2, "--load", d / "c2_as_zero"),
+    )
+    cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
+    r["3to2"], r["stock1bf16to2"], r["converted_stock"], r["after_kill"] = train(
+        2,
+        (d / "l32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+        (d / "lsb.pt", "bf16", "ts", 1, "--load", d / "sb"),
+        (d / "lcs.pt", "fp32", "ts", 2, "--load", d / "s2_as_ts"),
+        (d / "lk.pt", "fp32", "ts", 2, "--load", d / "k", "--save", d / "k", "--save-at", 4),
+    )
+    r["after_resave_listing"] = sorted(os.listdir(d / "k"))
+    (r["3to1"],) = train(1, (d / "l31.pt", "fp32", "ts", 2, "--load", d / "c3"))
     return r
 
 

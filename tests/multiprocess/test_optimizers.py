@@ -10,7 +10,6 @@ Every optimizer's state exists only for owned tensors, and its checkpoint resume
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from tests.helpers import WORKERS
 from tests.helpers.compare import TOLERANCE, assert_run_matches
 from tests.helpers.optimizers import ELEMENTWISE, WHOLE_MATRIX
 from tests.helpers.ranks import run_cli, run_ranks
+from tests.workers.checkpoint_worker import command
 
 # Where the optimizer runs in fp32 throughout (fp32 model; Newton-Schulz, if any, in fp32) ds_tensorshard
 # must match the stage-0 reference exactly (compare.TOLERANCE["fp32"]). Elsewhere (bf16 models; Newton-Schulz
@@ -156,12 +156,7 @@ def test_stock_zero2_lands_far_from_the_reference_where_ds_tensorshard_does_not(
 
 # -- checkpoints: any per-tensor state, by parameter name, at any world size -----------------------------
 
-CHECKPOINT = os.path.join(WORKERS, "checkpoint_worker.py")
-
-
-def train(out, world, optimizer, *extra, mode="ts"):
-    run_ranks([CHECKPOINT, str(out), "fp32", mode, "2", "6", "--optimizer", optimizer, *map(str, extra)], world)
-    return torch.load(out)
+RESUMED = ("lion", "muon", "adafactor")
 
 
 def assert_continues(resumed: dict, reference: dict, tol: dict) -> None:
@@ -173,32 +168,41 @@ def assert_continues(resumed: dict, reference: dict, tol: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """``saved(name)``: a 2-rank run of 6 steps with ``name`` that saves at step 3, once per module: its
-    results and the checkpoint folder."""
-    runs: dict[str, tuple[dict, Path]] = {}
+def resumes(tmp_path_factory) -> dict:
+    """Every checkpoint run of this module, in three launches (checkpoint_worker.py, fp32, ZeRO-2, 6 steps):
+    at 2 ranks each optimizer of RESUMED and Adagrad saving at step 3; at 2 ranks again each of RESUMED
+    resumed from its save, and Adagrad from its save converted to stock's layout for 3 ranks; at 3 ranks
+    each of RESUMED resumed and uninterrupted, and stock ZeRO-2 resuming Adagrad's converted save. Returns
+    every run's results by (optimizer, run) and the save folders by optimizer."""
+    d = tmp_path_factory.mktemp("resumes")
+    names = (*RESUMED, "adagrad")
 
-    def run(name: str) -> tuple[dict, Path]:
-        if name not in runs:
-            out = tmp_path_factory.mktemp(f"saved_{name}")
-            runs[name] = train(out / "ref.pt", 2, name, "--save", out / "c", "--save-at", 3), out / "c"
-        return runs[name]
+    def run(name: str, kind: str, *options: object, mode: str = "ts") -> tuple:
+        return (d / f"{name}_{kind}.pt", "fp32", mode, 2, 6, "--optimizer", name, *options)
 
-    return run
+    run_ranks(command(*[run(n, "saving", "--save", d / n, "--save-at", 3) for n in names]), 2)
+    proc = run_cli("convert-checkpoint", d / "adagrad", d / "z", "--to", "zero", "--world-size", 3)
+    assert proc.returncode == 0, proc.stderr
+    run_ranks(
+        command(*[run(n, "same", "--load", d / n) for n in RESUMED], run("adagrad", "back", "--load", d / "z")), 2
+    )
+    at_three = [run(n, "resumed", "--load", d / n) for n in RESUMED] + [run(n, "other") for n in RESUMED]
+    run_ranks(command(*at_three, run("adagrad", "stock", "--load", d / "z", mode="stock")), 3)
+    found = {tuple(path.stem.split("_")): torch.load(path) for path in d.glob("*.pt")}
+    return {"runs": found, "saves": {n: d / n for n in names}}
 
 
-@pytest.mark.parametrize("name", ["lion", "muon", "adafactor"])
-def test_state_resumes_exactly_and_at_another_world_size(tmp_path, saved, name):
+@pytest.mark.parametrize("name", RESUMED)
+def test_state_resumes_exactly_and_at_another_world_size(resumes, name):
     """Resumed at the saving world size: bit for bit. At another world size the gradients are summed in
     another order; Lion's signs and Muon's Newton-Schulz turn that into lr-sized steps on near-zero
     components (6e-3 for Lion between uninterrupted 2- and 3-rank runs, measured), so the resumed run
     must land as close to the saving run as an uninterrupted run at the new size does."""
-    reference, checkpoint = saved(name)
-    same = train(tmp_path / "r2.pt", 2, name, "--load", checkpoint)
+    runs = resumes["runs"]
+    reference, same = runs[name, "saving"], runs[name, "same"]
     assert same["losses"] == {k: v for k, v in reference["losses"].items() if k >= 3}
     assert all(torch.equal(same["params"][k], v) for k, v in reference["params"].items())
-    resumed = train(tmp_path / "r3.pt", 3, name, "--load", checkpoint)
-    other = train(tmp_path / "u3.pt", 3, name)  # uninterrupted at the new size
+    resumed, other = runs[name, "resumed"], runs[name, "other"]  # other: uninterrupted at the new size
     assert sorted(resumed["losses"]) == [3, 4, 5]
     for step, loss in resumed["losses"].items():
         limit = 2 * abs(other["losses"][step] - reference["losses"][step]) + TOLERANCE["fp32"]["loss"]
@@ -208,17 +212,14 @@ def test_state_resumes_exactly_and_at_another_world_size(tmp_path, saved, name):
         assert (resumed["params"][key] - value).abs().max().item() <= limit, key
 
 
-def test_elementwise_state_converts_to_and_from_stock_zero(tmp_path):
-    reference = train(tmp_path / "ref.pt", 2, "adagrad", "--save", tmp_path / "c", "--save-at", 3)
-    proc = run_cli("convert-checkpoint", tmp_path / "c", tmp_path / "z", "--to", "zero", "--world-size", 3)
-    assert proc.returncode == 0, proc.stderr
-    stock = train(tmp_path / "s.pt", 3, "adagrad", "--load", tmp_path / "z", mode="stock")
-    assert_continues(stock, reference, TOLERANCE["fp32"])
-    back = train(tmp_path / "b.pt", 2, "adagrad", "--load", tmp_path / "z")  # stock's layout into ds_tensorshard
-    assert_continues(back, reference, TOLERANCE["fp32"])
+def test_elementwise_state_converts_to_and_from_stock_zero(resumes):
+    runs = resumes["runs"]
+    assert_continues(runs["adagrad", "stock"], runs["adagrad", "saving"], TOLERANCE["fp32"])
+    # stock's layout back into ds_tensorshard
+    assert_continues(runs["adagrad", "back"], runs["adagrad", "saving"], TOLERANCE["fp32"])
 
 
-def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path, saved):
-    proc = run_cli("convert-checkpoint", saved("adafactor")[1], tmp_path / "z", "--to", "zero")
+def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path, resumes):
+    proc = run_cli("convert-checkpoint", resumes["saves"]["adafactor"], tmp_path / "z", "--to", "zero")
     assert proc.returncode == 2 and "optimizer state 'row_var'" in proc.stderr, proc.stderr
     assert not (tmp_path / "z" / "latest").exists()

@@ -1,7 +1,10 @@
 """One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
-    [--die-during-save-at K] [--universal] [--split auto|never] [--optimizer NAME]
+    [--die-during-save-at K] [--universal] [--split auto|never] [--optimizer NAME] [+ OUT DTYPE ... [+ ...]]
+
+Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
+one world size; a later run may load what an earlier one saved).
 
 The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
 batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
@@ -16,6 +19,7 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Sequence
 
 import deepspeed
 import torch
@@ -47,7 +51,15 @@ def die_inside_torch_save() -> None:
     torch.save = save_then_die
 
 
-def main() -> None:
+def command(*runs: Sequence[object]) -> list[str]:
+    """This script's arguments for ``runs`` (each OUT, DTYPE, MODE, STAGE, STEPS, *OPTIONS) in one launch."""
+    argv: list[str] = []
+    for run in runs:
+        argv += ["+"] * bool(argv) + [str(a) for a in run]
+    return [__file__, *argv]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("dtype")
@@ -67,8 +79,10 @@ def main() -> None:
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
-    args = parser.parse_args()
-    get_accelerator().is_fp16_supported = lambda: True
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
     micro_batch = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 1
@@ -118,6 +132,16 @@ def main() -> None:
             {"losses": losses, "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
             args.out,
         )
+
+
+def main() -> None:
+    get_accelerator().is_fp16_supported = lambda: True
+    argv, runs = sys.argv[1:], []
+    while "+" in argv:
+        runs.append(argv[: argv.index("+")])
+        argv = argv[argv.index("+") + 1 :]
+    for run_args in [*runs, argv]:
+        run(parse(run_args))
     close_process_group()
 
 
