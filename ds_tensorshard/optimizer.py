@@ -24,6 +24,7 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import (
@@ -98,7 +99,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         joint_plan: OwnershipPlan | None = None,
     ) -> None:
         super().__init__()
-        check_supported(init_optimizer)
+        check_supported(init_optimizer, engine.zero_cpu_offload())
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
@@ -155,7 +156,9 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         """fp32 masters (and the inner optimizer's state) for this rank's blocks only."""
         rank, blocks = self.comm.rank, self.plan.blocks_of
         owned = [[(p, b) for p in group for b in blocks(p) if b.rank == rank] for group in self.bit16_groups]
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device)
+        offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
+        self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         self.offload = StateOffload(self.shard, self.params)
 

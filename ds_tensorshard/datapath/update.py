@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ds_tensorshard.datapath.buckets import Bucket, Piece
+from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
@@ -30,7 +31,9 @@ class OwnedShard:
     """The tensors (or blocks) a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
-    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins.
+    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins. With ``host``
+    (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
+    piece is accumulated on the host as it arrives, and the inner optimizer's state is made there.
     """
 
     def __init__(
@@ -39,9 +42,11 @@ class OwnedShard:
         owned_by_group: list[list[tuple[torch.nn.Parameter, Block]]],
         accum_dtype: torch.dtype,
         device: torch.device,
+        host: HostMemory | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.device = device
+        self.host = host
         self.accum_dtype = accum_dtype
         self.blocks: dict[torch.nn.Parameter, Block] = {}
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -52,7 +57,9 @@ class OwnedShard:
             masters = []
             for param, block in owned:
                 own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
-                if param.dtype == torch.float32:
+                if host is not None:
+                    master = host.fetch(own, torch.float32)
+                elif param.dtype == torch.float32:
                     master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
                     self.views.add(param)
                 else:
@@ -78,6 +85,8 @@ class OwnedShard:
         """Add a reduced gradient piece of an owned tensor to its accumulator."""
         block = self.blocks[piece.param]
         total = self.accumulated.get(piece.param)
+        if self.host is not None:
+            grad = self.host.fetch(grad)
         if total is None:
             if piece.numel == block.numel:  # the whole block at once: keep (a copy of) it
                 self.accumulated[piece.param] = grad.to(self.accum_dtype, copy=grad.dtype != self.accum_dtype)
@@ -95,13 +104,14 @@ class OwnedShard:
     def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
         """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
         in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made."""
-        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=self.device)
+        where = self.device if self.host is None else torch.device("cpu")
+        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=where)
         for param, master in self.masters.items():
             if master.grad is not None and counted(param):
                 for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
                     wide = chunk.double()
                     totals[self.group_of[param]] += torch.dot(wide, wide)
-        return totals
+        return totals.to(self.device)
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
@@ -116,7 +126,9 @@ class OwnedShard:
         self._align_step_counts()
         for param, master in self.masters.items():
             own = self._own(param)
-            if master.data_ptr() != own.data_ptr():
+            if self.host is not None:
+                self.host.send(master, own)
+            elif master.data_ptr() != own.data_ptr():
                 own.copy_(master.view(-1))
 
     def relink_views(self) -> None:
