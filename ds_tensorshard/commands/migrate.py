@@ -9,7 +9,7 @@ from ds_tensorshard.config import BLOCK, validate_engine_config, zero_key_treatm
 from ds_tensorshard.errors import TensorShardConfigError
 
 DROPPED_ZERO_KEYS = {
-    "offload_param": "parameter offload is a ZeRO stage 3 feature; stock ZeRO-1/2 keeps parameters on the accelerator",
+    "offload_param": "parameter offload is a ZeRO stage 3 feature; stock ZeRO-1/2 keeps parameters on the accelerator"
 }
 
 
@@ -23,7 +23,9 @@ def _map_offload(zero: dict[str, Any], report: list[str]) -> None:
             zero["offload_optimizer"] = {"device": "cpu"}
             report.append("zero_optimization.cpu_offload: true -> offload_optimizer {'device': 'cpu'} (its new name)")
         else:
-            report.append(f"zero_optimization.cpu_offload={legacy!r}: dropped (no offload asked, or offload_optimizer set)")
+            report.append(
+                f"zero_optimization.cpu_offload={legacy!r}: dropped (no offload asked, or offload_optimizer set)"
+            )
     block = zero.get("offload_optimizer")
     device = block.get("device", "none") if isinstance(block, dict) else None
     if device in ("nvme", "NVMe"):

@@ -90,7 +90,8 @@ def run_case(case: str, out_dir: str) -> None:
     )
     unused_initial = engine.module.unused.detach().float().clone()
     losses, norms, grads_after_backward, started_at_embedding = [], [], [], []
-    if base_mode(mode) in ("ts", "tsmpi"):  # how many buckets were under way when backward reached the embedding (its end)
+    ours = base_mode(mode) in ("ts", "tsmpi")
+    if ours:  # how many buckets were under way when backward reached the embedding (its end)
 
         def on_embedding(module, inputs, out) -> None:
             out.register_hook(lambda grad: started_at_embedding.append(optimizer.reducer.started))
@@ -114,7 +115,7 @@ def run_case(case: str, out_dir: str) -> None:
         "optimizer_class": type(optimizer).__name__,
         "inner_class": type(optimizer.optimizer).__name__,
     }
-    if base_mode(mode) in ("ts", "tsmpi"):
+    if ours:
         plan = optimizer.plan
         state_tensors = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         result.update(
