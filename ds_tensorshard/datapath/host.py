@@ -48,7 +48,7 @@ class HostMemory:
         """A host copy of an accelerator ``tensor`` (copied in its own dtype, then cast to ``dtype`` on the host)."""
         copy = self.empty(tensor.shape, tensor.dtype).copy_(tensor)
         self.traffic.to_host += tensor.numel() * tensor.element_size()
-        return copy if dtype is None or dtype == copy.dtype else copy.to(dtype)
+        return copy if dtype is None or dtype == copy.dtype else self.empty(tensor.shape, dtype).copy_(copy)
 
     def send(self, master: torch.Tensor, target: torch.Tensor) -> None:
         """Write a host ``master`` into an accelerator ``target`` of the same numel, cast to its dtype on the host."""
