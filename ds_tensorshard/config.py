@@ -182,7 +182,7 @@ def offloads_optimizer(param_dict: Mapping[str, Any]) -> bool:
 def _check_offload(zero: Mapping[str, Any]) -> None:
     """``offload_optimizer`` device cpu is followed; NVMe, ``offload_param`` and the legacy ``cpu_offload`` are
     refused, naming the key."""
-    device = _offload_device(zero.get("offload_optimizer"))
+    device = optimizer_device = _offload_device(zero.get("offload_optimizer"))
     if device not in (None, "cpu"):
         raise TensorShardConfigError(
             f"'zero_optimization.offload_optimizer' device {device!r} is not supported with '{BLOCK}.enabled': "
@@ -195,6 +195,15 @@ def _check_offload(zero: Mapping[str, Any]) -> None:
             f"'zero_optimization.offload_param' (device {device!r}) is not supported with '{BLOCK}.enabled': "
             "parameter offload is a ZeRO stage 3 feature (ZeRO-1/2 keep every parameter on the accelerator); "
             "remove it"
+        )
+    if (
+        optimizer_device == "cpu"
+        and not _truthy(zero.get("compute_grad_norm", True))
+        and _reads(COMPUTE_GRAD_NORM_RELEASE)
+    ):
+        raise TensorShardConfigError(  # stock ZeRO-1/2's constructor raises it too (0.19.7)
+            "'zero_optimization.compute_grad_norm' false is not supported with 'zero_optimization.offload_optimizer' "
+            "(stock DeepSpeed refuses it too); remove one of them"
         )
     if zero.get("cpu_offload"):
         raise TensorShardConfigError(
@@ -234,6 +243,7 @@ def _sums_gradients(param_dict: Mapping[str, Any]) -> bool:
 
 
 GRADIENT_ALLREDUCE_OP_RELEASE = (0, 19, 6)
+COMPUTE_GRAD_NORM_RELEASE = (0, 19, 7)  # zero_optimization.compute_grad_norm
 AUTOCAST_RELEASE = (0, 17, 2)  # the torch_autocast block
 AUTOCAST_WITHOUT_BF16_SCALER = (0, 17, 6)  # before it, stock ZeRO scales bf16 autocast gradients with a GradScaler
 # (key, the release that added it, where its value is, the reason and what to do): refused when set (true, or any

@@ -10,7 +10,7 @@ optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -53,6 +53,7 @@ class OwnedShard:
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.group_of: dict[torch.nn.Parameter, int] = {}
         self.views: set[torch.nn.Parameter] = set()  # params whose master is a view of their own (fp32) tensor
+        self.stepped: set[torch.nn.Parameter] = set()  # updated early in this step (datapath.early_update)
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
@@ -95,10 +96,15 @@ class OwnedShard:
         total[piece.start - block.start : piece.stop - block.start].add_(grad)
 
     def gradients_to_masters(self) -> None:
-        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none)."""
-        for param, master in self.masters.items():
-            total = self.accumulated.pop(param, None)
-            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
+        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none), except to
+        those already updated early, which have theirs."""
+        for param in self.masters:
+            if param not in self.stepped:
+                self._gradient_to_master(param)
+
+    def _gradient_to_master(self, param: torch.nn.Parameter) -> None:
+        master, total = self.masters[param], self.accumulated.pop(param, None)
+        master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
 
     @torch.no_grad()
     def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
@@ -120,16 +126,40 @@ class OwnedShard:
                 master.grad.mul_(factor)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Run the inner optimizer on the masters, then write them into the model's tensors."""
-        self.optimizer.step()
-        self._align_step_counts()
-        for param, master in self.masters.items():
-            own = self._own(param)
+    def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Run the inner optimizer on the masters, then write them into the model's tensors: all of them not yet
+        updated in this step; or, ``early``, those tensors at once, their reduced gradients complete."""
+        todo = [p for p in (self.masters if early is None else early) if p not in self.stepped]
+        if early is not None:
+            for param in todo:
+                self._gradient_to_master(param)
+        if not self.stepped and early is None:
+            self.optimizer.step()
+        else:
+            self._step_only(todo)
+        if early is None:
+            self._align_step_counts()
+        else:
+            self.stepped.update(todo)
+        for param in todo:
+            master, own = self.masters[param], self._own(param)
             if self.host is not None:
                 self.host.send(master, own)
             elif master.data_ptr() != own.data_ptr():
                 own.copy_(master.view(-1))
+
+    def _step_only(self, params: list[torch.nn.Parameter]) -> None:
+        """The inner optimizer's step on the masters of ``params`` alone (each group keeps its dict)."""
+        chosen = {id(self.masters[p]) for p in params}
+        groups = self.optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        try:
+            for group, masters in zip(groups, kept):
+                group["params"] = [m for m in masters if id(m) in chosen]
+            self.optimizer.step()
+        finally:
+            for group, masters in zip(groups, kept):
+                group["params"] = masters
 
     def relink_views(self) -> None:
         """After the model's tensors moved (offload, reload): the masters that are views follow them."""
@@ -169,6 +199,7 @@ class OwnedShard:
 
     def drop_grads(self) -> None:
         self.accumulated.clear()
+        self.stepped.clear()
         for master in self.masters.values():
             master.grad = None
 
