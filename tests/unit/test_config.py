@@ -60,6 +60,13 @@ BAD = [
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "is a ZeRO stage 3 feature"),
     ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'zero_optimization.cpu_offload'"),
     (
+        {
+            "zero_optimization": {"stage": 2, "compute_grad_norm": False, "offload_optimizer": {"device": "cpu"}},
+            "gradient_clipping": 0.0,
+        },
+        "'zero_optimization.compute_grad_norm' false is not supported with 'zero_optimization.offload_optimizer'",
+    ),
+    (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Lamb"}},
         "'optimizer.type' 'Lamb' is not supported with 'zero_optimization.offload_optimizer' device cpu: DeepSpeed "
         "has no CPU LAMB",
