@@ -114,14 +114,7 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             f"(reduce every micro-step); got stage {stage!r}"
             + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else "")
         )
-    for key in ("offload_optimizer", "offload_param"):
-        device = _offload_device(zero.get(key))
-        if device is not None:
-            raise TensorShardConfigError(
-                f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled'; remove it"
-            )
-    if zero.get("cpu_offload"):
-        raise TensorShardConfigError(f"'zero_optimization.cpu_offload' is not supported with '{BLOCK}.enabled'")
+    _check_offload(zero)
     _refuse_unfollowed_keys(param_dict, zero)
     # stock ZeRO-2 asserts these (stage_1_and_2.py), except under gradient_allreduce_op "sum", which ignores them
     if stage == 2 and zero.get("reduce_scatter", True) and not _sums_gradients(param_dict):
@@ -149,8 +142,15 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
                 f"{why}, so there is no stock run to match; use bf16 or fp32, or deepspeed >= 0.18.3"
                 + (" (or stage 1)" if stage_1_works else "")
             )
-    from ds_tensorshard.datapath.inner_optimizer import REFUSED, REFUSED_TYPES, check_supported
+    from ds_tensorshard.datapath.inner_optimizer import (
+        REFUSED,
+        REFUSED_OFFLOADED,
+        REFUSED_OFFLOADED_TYPES,
+        REFUSED_TYPES,
+        check_supported,
+    )
 
+    offload = offloads_optimizer(param_dict)
     if client_optimizer is None:
         opt_type = (param_dict.get("optimizer") or {}).get("type")
         if opt_type is None:
@@ -161,9 +161,55 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             raise TensorShardConfigError(
                 f"'optimizer.type' {opt_type!r} cannot be sharded by ds_tensorshard: {REFUSED[refused]}"
             )
+        refused = REFUSED_OFFLOADED_TYPES.get(str(opt_type).lower()) if offload else None
+        if refused is not None:
+            raise TensorShardConfigError(
+                f"'optimizer.type' {opt_type!r} is not supported with 'zero_optimization.offload_optimizer' "
+                f"device cpu: {REFUSED_OFFLOADED[refused]}"
+            )
     elif isinstance(client_optimizer, torch.optim.Optimizer):
-        check_supported(client_optimizer)
+        check_supported(client_optimizer, offload)
     return config
+
+
+def offloads_optimizer(param_dict: Mapping[str, Any]) -> bool:
+    """Whether the config asks for ZeRO-Offload of the optimizer: ``zero_optimization.offload_optimizer`` with
+    device cpu (each owner's fp32 masters and optimizer state in host memory)."""
+    zero = param_dict.get("zero_optimization", {}) or {}
+    return _offload_device(zero.get("offload_optimizer")) == "cpu"
+
+
+def _check_offload(zero: Mapping[str, Any]) -> None:
+    """``offload_optimizer`` device cpu is followed; NVMe, ``offload_param`` and the legacy ``cpu_offload`` are
+    refused, naming the key."""
+    device = optimizer_device = _offload_device(zero.get("offload_optimizer"))
+    if device not in (None, "cpu"):
+        raise TensorShardConfigError(
+            f"'zero_optimization.offload_optimizer' device {device!r} is not supported with '{BLOCK}.enabled': "
+            "stock ZeRO-1/2 has no NVMe optimizer offload either (DeepSpeed swaps optimizer state to NVMe at "
+            'ZeRO stage 3 only); use {"device": "cpu"}'
+        )
+    device = _offload_device(zero.get("offload_param"))
+    if device is not None:
+        raise TensorShardConfigError(
+            f"'zero_optimization.offload_param' (device {device!r}) is not supported with '{BLOCK}.enabled': "
+            "parameter offload is a ZeRO stage 3 feature (ZeRO-1/2 keep every parameter on the accelerator); "
+            "remove it"
+        )
+    if (
+        optimizer_device == "cpu"
+        and not _truthy(zero.get("compute_grad_norm", True))
+        and _reads(COMPUTE_GRAD_NORM_RELEASE)
+    ):
+        raise TensorShardConfigError(  # stock ZeRO-1/2's constructor raises it too (0.19.7)
+            "'zero_optimization.compute_grad_norm' false is not supported with 'zero_optimization.offload_optimizer' "
+            "(stock DeepSpeed refuses it too); remove one of them"
+        )
+    if zero.get("cpu_offload"):
+        raise TensorShardConfigError(
+            f"'zero_optimization.cpu_offload' (DeepSpeed's deprecated spelling) is not supported with "
+            f"'{BLOCK}.enabled'; write 'offload_optimizer': {{\"device\": \"cpu\"}} instead"
+        )
 
 
 def _truthy(value: Any) -> bool:
@@ -197,6 +243,7 @@ def _sums_gradients(param_dict: Mapping[str, Any]) -> bool:
 
 
 GRADIENT_ALLREDUCE_OP_RELEASE = (0, 19, 6)
+COMPUTE_GRAD_NORM_RELEASE = (0, 19, 7)  # zero_optimization.compute_grad_norm
 AUTOCAST_RELEASE = (0, 17, 2)  # the torch_autocast block
 AUTOCAST_WITHOUT_BF16_SCALER = (0, 17, 6)  # before it, stock ZeRO scales bf16 autocast gradients with a GradScaler
 # (key, the release that added it, where its value is, the reason and what to do): refused when set (true, or any
@@ -208,7 +255,7 @@ UNFOLLOWED_KEYS: tuple[tuple[str, tuple[int, ...], Callable[[Mapping[str, Any], 
         (0, 16, 0),
         lambda config, zero: _block(config, "fp16").get("fp16_master_weights_and_grads"),
         "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner (stock allows fp16 ones only with "
-        "ZeRO-Offload, which is refused); remove it",
+        "ZeRO-Offload, where ds_tensorshard keeps them in fp32 too); remove it",
     ),
     (
         "bf16.bf16_master_weights_and_grads",
@@ -372,6 +419,8 @@ MAPPED_ZERO_KEYS = {
     "stage": "selects the mode: 1 = reduce at the accumulation boundary, 2 = reduce every micro-step",
     "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set (default 4,000,000)",
     "reduce_scatter": "at stage 2, true divides gradients by the world size before the sum, as stock does",
+    "offload_optimizer": "device cpu: each owner's fp32 masters and optimizer state in host memory (pinned with "
+    "pin_memory where there is a GPU); the inner optimizer is stock's CPU one",
 }
 IGNORED_ZERO_KEYS = {
     "allgather_bucket_size": "updated parameters are broadcast in the reduce buckets",

@@ -66,7 +66,7 @@ def _wrap_sanity_check(original):
     def _do_optimizer_sanity_check(self, basic_optimizer):
         if _enabled_config(self) is None:
             return original(self, basic_optimizer)
-        check_supported(basic_optimizer)
+        check_supported(basic_optimizer, self.zero_cpu_offload())
         return ZERO_OPTIMIZATION
 
     return _do_optimizer_sanity_check

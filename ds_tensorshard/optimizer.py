@@ -24,6 +24,8 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
+from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import (
@@ -98,7 +100,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         joint_plan: OwnershipPlan | None = None,
     ) -> None:
         super().__init__()
-        check_supported(init_optimizer)
+        check_supported(init_optimizer, engine.zero_cpu_offload())
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
@@ -155,7 +157,9 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         """fp32 masters (and the inner optimizer's state) for this rank's blocks only."""
         rank, blocks = self.comm.rank, self.plan.blocks_of
         owned = [[(p, b) for p in group for b in blocks(p) if b.rank == rank] for group in self.bit16_groups]
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device)
+        offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
+        self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         self.offload = StateOffload(self.shard, self.params)
 
@@ -171,11 +175,16 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
         )
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)
+        self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
+        if updates_early(self.rules, self.host is not None) and not pipeline:
+            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)
         self.reducer = OverlappedReducer(
             self._build_buckets(list(reversed(self.params))),
             self.comm,
             Averaging.like_deepspeed(engine, self.comm.world_size),
-            lambda bucket, segment: self.shard.accept(bucket, segment, self.comm.rank),
+            self.early.deliver
+            if self.early
+            else lambda bucket, segment: self.shard.accept(bucket, segment, self.comm.rank),
             self.params,
             self.names.__getitem__,
             self._build_buckets,
@@ -188,7 +197,14 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.intake.check_caller = self._check_backward_caller
 
     def _build_buckets(self, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        return build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
+        buckets = build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
+        if self.early is not None:
+            self.early.expect(buckets)
+        return buckets
+
+    def _reductions_done(self) -> tuple[int, int]:
+        """(reductions of this backward completed, buckets): where an early update started."""
+        return self.reducer.started - len(self.reducer.in_flight), len(self.reducer.buckets)
 
     def _check_backward_caller(self) -> None:
         """Called as each gradient arrives: a direct ``loss.backward()`` on a release where it cannot follow stock
@@ -288,6 +304,9 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             self.prepare_step()
         decision, self._decision = self._decision, None
         assert decision is not None
+        if self.early is not None:
+            self.early.next_step()
+            assert not decision.overflow and decision.divisor is None, "an early update needs a step as it is"
         if decision.overflow:
             self.phase = Phase.ACCUMULATING
             self.zero_grad()

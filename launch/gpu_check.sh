@@ -9,6 +9,9 @@
 # 3. checkpoint_resume_cuda: save at step 3 and resume on CUDA equals the uninterrupted run.
 # 4. fused_lamb_lion: DeepSpeed's FusedLamb (whole-matrix: against stage 0) and FusedLion (element-wise:
 #    against stock ZeRO-2) as ds_tensorshard's inner optimizers.
+# 5. zero_offload_cuda: offload_optimizer cpu with pin_memory on CUDA at one rank: owned masters pinned in host
+#    memory, DeepSpeedCPUAdam on them, against stock ZeRO-Offload (fp32 stage 2, bf16 stage 1). The copies are
+#    blocking (no non-blocking copies or side streams yet), so there is no stream order to check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC="${TORCH_SPEC:-torch}" source launch/setup_env.sh >/dev/null
@@ -29,4 +32,5 @@ check cuda_equivalence_1rank python -m pytest -q -p no:cacheprovider -m gpu test
 check mpi_2ranks_1gpu python -m tests.workers.gpu_check mpi "$LOGS/mpi"
 check checkpoint_resume_cuda python -m tests.workers.gpu_check checkpoint "$LOGS/ckpt"
 check fused_lamb_lion python -m tests.workers.gpu_check fused "$LOGS/fused"
+check zero_offload_cuda python -m tests.workers.gpu_check offload "$LOGS/offload"
 exit "$failures"

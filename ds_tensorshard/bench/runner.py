@@ -23,7 +23,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ds_tensorshard.bench.worker import CONFIGS, RUN_ARGUMENTS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
+from ds_tensorshard.bench.worker import (
+    CONFIGS,
+    OFFLOAD_CONFIGS,
+    RUN_ARGUMENTS,
+    TWO_MODEL_CONFIGS,
+    add_run_arguments,
+    second_model_shape,
+)
 
 LABELS = {
     "stage0": "stock stage 0",
@@ -32,6 +39,8 @@ LABELS = {
     "ddp_zero": "DDP + ZeroRedundancyOptimizer",
     "ts_torch": "ds_tensorshard (torch)",
     "ts_mpi": "ds_tensorshard (mpi)",
+    "zero2_offload": "stock ZeRO-2 + offload",
+    "ts_offload": "ds_tensorshard + offload",
     "two_zero2": "2 models: stock ZeRO-2 each",
     "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
     "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many",
@@ -112,6 +121,7 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
         "step_s": median("step_s"),
         **{k: median(k) for k in PHASES},
         "sent_bytes_per_rank": median("sent_bytes"),
+        "host_bytes_per_rank": median("host_bytes"),
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
         "optimizer_state_bytes_fullest": max(state),
         "optimizer_state_bytes_total": sum(state),
@@ -158,6 +168,12 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
             f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |"
         )
+    if any(r["host_bytes_per_rank"] for r in results):
+        lines += [
+            "",
+            "ZeRO-Offload, bytes between the accelerator and host memory per step, fullest rank (on CPU: what would "
+            "cross): " + "; ".join(f"{r['label']} {mib(r['host_bytes_per_rank'])} MiB" for r in results),
+        ]
     if any("newton_schulz_fullest_over_ideal" in r for r in results):
         lines += [
             "",
@@ -213,9 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + TWO_MODEL_CONFIGS,
-        help="one-model configurations (default: all) or two-model ones "
-        f"({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
+        choices=CONFIGS + OFFLOAD_CONFIGS + TWO_MODEL_CONFIGS,
+        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}) or two-model "
+        f"ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)

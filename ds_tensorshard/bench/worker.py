@@ -29,7 +29,9 @@ import torch.distributed as tdist
 CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
 # two models (the second half as wide and half as deep) trained in the same processes
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
-SHARDED = ("ts_torch", "ts_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's configurations
+# ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch transport)
+OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload")
+SHARDED = ("ts_torch", "ts_mpi", "ts_offload", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
@@ -121,6 +123,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if name in OFFLOAD_CONFIGS:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
         config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name == "ts_mpi" else "torch"}
     return config
@@ -136,9 +140,22 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         if name in SHARDED:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
-        elif name in ("zero1", "zero2", "two_zero2"):
+        elif name in ("zero1", "zero2", "zero2_offload", "two_zero2"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
+
+
+def host_bytes(name: str, engine) -> int:
+    """Bytes copied between the accelerator and host memory so far (on CPU: that would be copied). ds_tensorshard
+    counts them (``optimizer.host.traffic``); stock ZeRO-Offload's are counted from its code: per step (GAS 1) its
+    fp32 gradient partition to the host and its bit16 partition back (stage_1_and_2.py)."""
+    optimizer = engine.optimizer
+    if name == "ts_offload":
+        return optimizer.host.traffic.to_host + optimizer.host.traffic.to_device
+    if name == "zero2_offload":
+        partition = sum(t.numel() for t in optimizer.single_partition_of_fp32_groups)
+        return engine.global_steps * partition * (4 + torch.finfo(engine.get_data_types()[0]).bits // 8)
+    return 0
 
 
 RUN_ARGUMENTS = (
@@ -196,6 +213,7 @@ class Setup:
     step: Callable[[], None]
     state_bytes: Callable[[], int]
     newton_schulz: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)
+    host_bytes: Callable[[], int] = lambda: 0  # copied between the accelerator and the host so far (offload)
 
 
 def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
@@ -267,6 +285,7 @@ def build_deepspeed(
                 engine.step()
 
     setup = Setup(list(models), train, step, lambda: sum(state_bytes(name, e.optimizer, e.module) for e in engines))
+    setup.host_bytes = lambda: sum(host_bytes(name, e) for e in engines)
     setup.newton_schulz = lambda: newton_schulz_on_this_rank(name, engines[0])
     return setup
 
@@ -303,7 +322,7 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS + TWO_MODEL_CONFIGS)
+    parser.add_argument("config", choices=CONFIGS + OFFLOAD_CONFIGS + TWO_MODEL_CONFIGS)
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)
@@ -340,7 +359,7 @@ def main() -> None:
     for index in range(args.warmup + args.steps):
         tokens = synthetic_batch(micro, args.seq, args.vocab, generator)
         clock.spent.clear()
-        sent_before = sum(_SENT.values())
+        sent_before, host_before = sum(_SENT.values()), setup.host_bytes()
         tdist.barrier()
         start = time.perf_counter()
         losses = setup.train(tokens)
@@ -357,6 +376,7 @@ def main() -> None:
                     "optimizer_s": end - after_backward - gather_s,
                     "gather_s": gather_s,
                     "sent_bytes": sum(_SENT.values()) - sent_before,
+                    "host_bytes": setup.host_bytes() - host_before,
                     "losses": losses,
                 }
             )

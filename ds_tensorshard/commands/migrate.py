@@ -9,10 +9,31 @@ from ds_tensorshard.config import BLOCK, validate_engine_config, zero_key_treatm
 from ds_tensorshard.errors import TensorShardConfigError
 
 DROPPED_ZERO_KEYS = {
-    "offload_optimizer": "offload is not supported by ds_tensorshard",
-    "offload_param": "offload is not supported by ds_tensorshard",
-    "cpu_offload": "offload is not supported by ds_tensorshard",
+    "offload_param": "parameter offload is a ZeRO stage 3 feature; stock ZeRO-1/2 keeps parameters on the accelerator"
 }
+
+
+def _map_offload(zero: dict[str, Any], report: list[str]) -> None:
+    """``offload_optimizer`` device cpu is kept (owners' masters and optimizer state in host memory); the
+    deprecated ``cpu_offload: true`` becomes it; an NVMe device is dropped (stock ZeRO-1/2 has no NVMe optimizer
+    offload either: it swaps optimizer state to NVMe at stage 3 only)."""
+    if "cpu_offload" in zero:
+        legacy = zero.pop("cpu_offload")
+        if legacy and "offload_optimizer" not in zero:
+            zero["offload_optimizer"] = {"device": "cpu"}
+            report.append("zero_optimization.cpu_offload: true -> offload_optimizer {'device': 'cpu'} (its new name)")
+        else:
+            report.append(
+                f"zero_optimization.cpu_offload={legacy!r}: dropped (no offload asked, or offload_optimizer set)"
+            )
+    block = zero.get("offload_optimizer")
+    device = block.get("device", "none") if isinstance(block, dict) else None
+    if device in ("nvme", "NVMe"):
+        del zero["offload_optimizer"]
+        report.append(
+            "zero_optimization.offload_optimizer: dropped (device 'nvme': stock ZeRO-1/2 has no NVMe optimizer "
+            "offload either, DeepSpeed swaps optimizer state to NVMe at stage 3 only)"
+        )
 
 
 def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -32,6 +53,7 @@ def migrate_config(stock: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if stage in (0, None):
         zero["stage"] = 2
         report.append(f"zero_optimization.stage: {stage!r} -> 2 (ds_tensorshard needs stage 1 or 2)")
+    _map_offload(zero, report)
     for key in list(zero):
         if key in DROPPED_ZERO_KEYS:
             report.append(f"zero_optimization.{key}: dropped ({DROPPED_ZERO_KEYS[key]})")

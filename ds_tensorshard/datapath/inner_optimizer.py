@@ -33,21 +33,35 @@ ELEMENTWISE = frozenset(
         "Adagrad",
         "FusedLion",
         "SparseAdam",
+        "DeepSpeedCPUAdam",
+        "DeepSpeedCPUAdagrad",
+        "DeepSpeedCPULion",
     }
 )
+HOST_OPTIMIZERS = frozenset({"DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"})
 # DeepSpeed's optimizers that compress or offload their own communication, or need parameter metadata
 # (mup's infinite-width shapes) that owned fp32 masters do not carry
 REFUSED = {
     "OnebitAdam": "it compresses its own gradient communication",
     "ZeroOneAdam": "it compresses its own gradient communication",
     "OnebitLamb": "it compresses its own gradient communication",
-    "DeepSpeedCPUAdam": "it is DeepSpeed's CPU-offload optimizer (offload is not supported)",
-    "DeepSpeedCPUAdagrad": "it is DeepSpeed's CPU-offload optimizer (offload is not supported)",
-    "DeepSpeedCPULion": "it is DeepSpeed's CPU-offload optimizer (offload is not supported)",
     "MuAdam": "it reads mup's infshape attributes from the parameters, which owned masters do not carry",
     "MuAdamW": "it reads mup's infshape attributes from the parameters, which owned masters do not carry",
     "MuSGD": "it reads mup's infshape attributes from the parameters, which owned masters do not carry",
 }
+# with 'zero_optimization.offload_optimizer' device cpu: the masters are in host memory, so the inner optimizer
+# must run there (stock builds DeepSpeedCPUAdam, DeepSpeedCPUAdagrad or DeepSpeedCPULion from the config)
+REFUSED_OFFLOADED = {
+    "FusedAdam": "its kernel runs on the accelerator, and the offloaded masters are in host memory (the 'Adam' "
+    "and 'AdamW' config types run DeepSpeedCPUAdam there, as stock)",
+    "FusedLion": "its kernel runs on the accelerator, and the offloaded masters are in host memory (the 'Lion' "
+    "config type runs DeepSpeedCPULion there, as stock)",
+    "FusedLamb": "DeepSpeed has no CPU LAMB: stock builds the accelerator kernel FusedLamb, which cannot update "
+    "masters in host memory",
+    "MuonWithAuxAdam": "stock ZeRO-Offload orthogonalizes Muon's matrices on the accelerator while it partitions "
+    "the gradients, before the host step; ds_tensorshard does not follow that order yet",
+}
+REFUSED_OFFLOADED_TYPES = {"lamb": "FusedLamb", "muon": "MuonWithAuxAdam"}
 REFUSED_TYPES = {
     "onebitadam": "OnebitAdam",
     "zerooneadam": "ZeroOneAdam",
@@ -58,11 +72,22 @@ REFUSED_TYPES = {
 }
 
 
-def check_supported(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse inner optimizers ds_tensorshard cannot run on owned tensors, naming the reason."""
+def check_supported(optimizer: torch.optim.Optimizer, offload: bool = False) -> None:
+    """Refuse inner optimizers ds_tensorshard cannot run on owned tensors (in host memory with ``offload``: the
+    config's 'zero_optimization.offload_optimizer' device cpu), naming the reason."""
     name = type(optimizer).__name__
     if name in REFUSED:
         raise TensorShardConfigError(f"optimizer {name} cannot be sharded by ds_tensorshard: {REFUSED[name]}")
+    if offload and name in REFUSED_OFFLOADED:
+        raise TensorShardConfigError(
+            f"optimizer {name} is not supported with 'zero_optimization.offload_optimizer' device cpu: "
+            f"{REFUSED_OFFLOADED[name]}"
+        )
+    if not offload and name in HOST_OPTIMIZERS:
+        raise TensorShardConfigError(
+            f"optimizer {name} updates tensors in host memory only: set 'zero_optimization.offload_optimizer' "
+            '{"device": "cpu"} (stock ZeRO-Offload), or use the config\'s optimizer block without it'
+        )
     if name == "FusedAdam" and any(group.get("amsgrad") for group in optimizer.param_groups):
         raise TensorShardConfigError("optimizer param group key 'amsgrad' is not supported with FusedAdam")
 

@@ -10,11 +10,12 @@ optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from ds_tensorshard.datapath.buckets import Bucket, Piece
+from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
@@ -30,7 +31,9 @@ class OwnedShard:
     """The tensors (or blocks) a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
-    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins.
+    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins. With ``host``
+    (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
+    piece is accumulated on the host as it arrives, and the inner optimizer's state is made there.
     """
 
     def __init__(
@@ -39,20 +42,25 @@ class OwnedShard:
         owned_by_group: list[list[tuple[torch.nn.Parameter, Block]]],
         accum_dtype: torch.dtype,
         device: torch.device,
+        host: HostMemory | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.device = device
+        self.host = host
         self.accum_dtype = accum_dtype
         self.blocks: dict[torch.nn.Parameter, Block] = {}
         self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.group_of: dict[torch.nn.Parameter, int] = {}
         self.views: set[torch.nn.Parameter] = set()  # params whose master is a view of their own (fp32) tensor
+        self.stepped: set[torch.nn.Parameter] = set()  # updated early in this step (datapath.early_update)
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
                 own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
-                if param.dtype == torch.float32:
+                if host is not None:
+                    master = host.fetch(own, torch.float32)
+                elif param.dtype == torch.float32:
                     master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
                     self.views.add(param)
                 else:
@@ -78,6 +86,8 @@ class OwnedShard:
         """Add a reduced gradient piece of an owned tensor to its accumulator."""
         block = self.blocks[piece.param]
         total = self.accumulated.get(piece.param)
+        if self.host is not None:
+            grad = self.host.fetch(grad)
         if total is None:
             if piece.numel == block.numel:  # the whole block at once: keep (a copy of) it
                 self.accumulated[piece.param] = grad.to(self.accum_dtype, copy=grad.dtype != self.accum_dtype)
@@ -86,22 +96,28 @@ class OwnedShard:
         total[piece.start - block.start : piece.stop - block.start].add_(grad)
 
     def gradients_to_masters(self) -> None:
-        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none)."""
-        for param, master in self.masters.items():
-            total = self.accumulated.pop(param, None)
-            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
+        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none), except to
+        those already updated early, which have theirs."""
+        for param in self.masters:
+            if param not in self.stepped:
+                self._gradient_to_master(param)
+
+    def _gradient_to_master(self, param: torch.nn.Parameter) -> None:
+        master, total = self.masters[param], self.accumulated.pop(param, None)
+        master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
 
     @torch.no_grad()
     def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
         """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
         in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made."""
-        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=self.device)
+        where = self.device if self.host is None else torch.device("cpu")
+        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=where)
         for param, master in self.masters.items():
             if master.grad is not None and counted(param):
                 for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
                     wide = chunk.double()
                     totals[self.group_of[param]] += torch.dot(wide, wide)
-        return totals
+        return totals.to(self.device)
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
@@ -110,14 +126,40 @@ class OwnedShard:
                 master.grad.mul_(factor)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Run the inner optimizer on the masters, then write them into the model's tensors."""
-        self.optimizer.step()
-        self._align_step_counts()
-        for param, master in self.masters.items():
-            own = self._own(param)
-            if master.data_ptr() != own.data_ptr():
+    def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Run the inner optimizer on the masters, then write them into the model's tensors: all of them not yet
+        updated in this step; or, ``early``, those tensors at once, their reduced gradients complete."""
+        todo = [p for p in (self.masters if early is None else early) if p not in self.stepped]
+        if early is not None:
+            for param in todo:
+                self._gradient_to_master(param)
+        if not self.stepped and early is None:
+            self.optimizer.step()
+        else:
+            self._step_only(todo)
+        if early is None:
+            self._align_step_counts()
+        else:
+            self.stepped.update(todo)
+        for param in todo:
+            master, own = self.masters[param], self._own(param)
+            if self.host is not None:
+                self.host.send(master, own)
+            elif master.data_ptr() != own.data_ptr():
                 own.copy_(master.view(-1))
+
+    def _step_only(self, params: list[torch.nn.Parameter]) -> None:
+        """The inner optimizer's step on the masters of ``params`` alone (each group keeps its dict)."""
+        chosen = {id(self.masters[p]) for p in params}
+        groups = self.optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        try:
+            for group, masters in zip(groups, kept):
+                group["params"] = [m for m in masters if id(m) in chosen]
+            self.optimizer.step()
+        finally:
+            for group, masters in zip(groups, kept):
+                group["params"] = masters
 
     def relink_views(self) -> None:
         """After the model's tensors moved (offload, reload): the masters that are views follow them."""
@@ -157,6 +199,7 @@ class OwnedShard:
 
     def drop_grads(self) -> None:
         self.accumulated.clear()
+        self.stepped.clear()
         for master in self.masters.values():
             master.grad = None
 

@@ -6,8 +6,9 @@ tokens, sequential batches so that a step sees the same samples at any world siz
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.hf_trainer --out runs/hf       # or torchrun
     ... --resume runs/hf/checkpoint-3 --grad-accum 2                                       # resume at 3 ranks
 
-``--stock`` drops the tensorshard block (stock ZeRO-2); ``--results FILE`` makes rank 0 save the logged
-losses and the final parameters.
+``--stock`` drops the tensorshard block (stock ZeRO-2); ``--offload`` uses the Hugging Face DeepSpeed guide's
+ZeRO-2 config instead (ZeRO-Offload: ``offload_optimizer`` cpu with pinned memory, "auto" values that the Trainer
+fills); ``--results FILE`` makes rank 0 save the logged losses and the final parameters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,53 @@ from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_gp
 SAMPLES = 96
 
 
-def ds_config(stock: bool) -> dict:
-    """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block, the tensorshard block."""
+def hf_guide_zero2_offload() -> dict:
+    """The ZeRO-2 config of Hugging Face's DeepSpeed guide, as users copy it (ZeRO-Offload to the CPU)."""
+    return {
+        "fp16": {
+            "enabled": "auto",
+            "loss_scale": 0,
+            "loss_scale_window": 1000,
+            "initial_scale_power": 16,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "bf16": {"enabled": "auto"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+        },
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "allgather_partitions": True,
+            "allgather_bucket_size": 2e8,
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 2e8,
+            "contiguous_gradients": True,
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+
+
+def ds_config(stock: bool, offload: bool = False) -> dict:
+    """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block (the guide's ZeRO-Offload
+    one with ``offload``), the tensorshard block."""
+    if offload:
+        config = hf_guide_zero2_offload()
+        if not stock:
+            config["tensorshard"] = {"enabled": True}
+        return config
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -63,6 +109,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=3, help="keep micro x accum x ranks fixed across resumes")
     parser.add_argument("--resume", help="a checkpoint-N folder to resume from")
     parser.add_argument("--stock", action="store_true", help="stock ZeRO-2 (no tensorshard block)")
+    parser.add_argument("--offload", action="store_true", help="the HF guide's ZeRO-2 config with CPU offload")
     parser.add_argument("--results", help="rank 0 saves losses and final parameters here")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args()
@@ -71,7 +118,7 @@ def main() -> None:
 
     training = TrainingArguments(
         output_dir=args.out,
-        deepspeed=ds_config(args.stock),
+        deepspeed=ds_config(args.stock, args.offload),
         max_steps=args.steps,
         save_steps=args.save_steps,
         per_device_train_batch_size=args.micro_batch,
@@ -94,7 +141,8 @@ def main() -> None:
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
     if trainer.is_world_process_zero():
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
-        report(losses, engine.optimizer, engine.module, args.results)
+        inner = type(engine.optimizer.optimizer).__name__
+        report(losses, engine.optimizer, engine.module, args.results, inner_class=inner)
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()

@@ -243,9 +243,9 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     out = cli("migrate-config", tmp_path / "in.json", "-o", tmp_path / "out.json")
     migrated = json.loads((tmp_path / "out.json").read_text())
     assert migrated["tensorshard"] == {"enabled": True, "comm_backend": "torch"}
-    assert "offload_optimizer" not in migrated["zero_optimization"]
+    assert migrated["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}  # ZeRO-Offload is followed
     assert migrated["zero_allow_untested_optimizer"] is True  # kept: stock needs it for non-Adam optimizers
-    assert "zero_optimization.offload_optimizer: dropped" in out
+    assert "zero_optimization.offload_optimizer={'device': 'cpu'}: kept, used, device cpu" in out
     for key in list(stock["zero_optimization"]) + [k for k in stock if k != "zero_optimization"]:
         assert key in out, key
     from ds_tensorshard.config import validate_engine_config
@@ -277,3 +277,37 @@ def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     assert [(r["phase"], r["rank"]) for r in rows] == [("save", 0), ("save", 1), ("load", 0), ("load", 1)]
     for r in rows:  # slack for allocator and imports: half of what the smallest violation (one more copy) adds
         assert r["rise_mib"] <= r["own_state_mib"] + r["largest_tensor_state_mib"] + r["own_state_mib"] / 2, r
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory):
+    """ZeRO-Offload (offload_optimizer cpu) saves and loads: ds_tensorshard's at 2 ranks resumed at 3 without
+    offload and at 1 with it; stock ZeRO-Offload's at 2 ranks resumed by ds_tensorshard at 3; both converted."""
+    d = tmp_path_factory.mktemp("ckpt_offload")
+    r = {"ref": train(d / "ref.pt", "fp32", "ts-offload", 2, 2, "--save", d / "c", "--save-at", 3)}
+    r["to3_without_offload"] = train(d / "l3.pt", "fp32", "ts", 2, 3, "--load", d / "c")
+    r["to1_with_offload"] = train(d / "l1.pt", "fp32", "ts-offload", 1, 1, "--load", d / "c")
+    r["stock"] = train(d / "s.pt", "fp32", "stock-offload", 2, 2, "--save", d / "s", "--save-at", 3)
+    r["stock_to3"] = train(d / "ls3.pt", "fp32", "ts-offload", 2, 3, "--load", d / "s")
+    cli("convert-checkpoint", d / "c", d / "c_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
+    r["stock_from_ts"] = train(d / "lsz.pt", "fp32", "stock-offload", 2, 3, "--load", d / "c_as_zero")
+    cli("convert-checkpoint", d / "s", d / "s_as_ts", "--to", "tensorshard", "--world-size", 3)
+    r["converted_stock"] = train(d / "lcs.pt", "fp32", "ts", 2, 2, "--load", d / "s_as_ts")
+    return r
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    "resumed,reference",
+    [
+        ("to3_without_offload", "ref"),
+        ("to1_with_offload", "ref"),
+        ("stock_to3", "stock"),
+        ("stock_from_ts", "ref"),
+        ("converted_stock", "stock"),
+    ],
+)
+def test_offloaded_checkpoints_resume_at_any_world_size_with_offload_on_or_off(offload_runs, resumed, reference):
+    """A save's masters and moments are the same tensors with or without offload (host memory is where they
+    lived, not what they are), so every resume continues the uninterrupted run within ACROSS_WORLDS (compare.py)."""
+    assert_continues(offload_runs[resumed], offload_runs[reference], FP32, first_step=3)

@@ -8,12 +8,15 @@ peaks, two param groups, tied embedding, a frozen and an unused parameter.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
+from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches
-from tests.workers.equivalence_worker import CASES, GAS, STEPS
+from tests.helpers.ranks import run_ranks
+from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS
 
 WORLDS = (2, 3)
 
@@ -102,3 +105,50 @@ def test_plan_ownership_state_and_gradients(world):
                 assert result["grads_after_backward"] == [0] * (STEPS * GAS)
             else:  # accumulated in the model until the boundary, then reduced and released
                 assert result["grads_after_backward"] == [len(trainable) - 1, 0] * STEPS  # "unused" has none
+
+
+def assert_offload_matches_stock_offload(load, n: int, cases: list[str]) -> None:
+    """Each ds_tensorshard ZeRO-Offload case against stock ZeRO-Offload of the same config (DeepSpeedCPUAdam in
+    both): at 2 ranks losses and parameters bit-identical, grad norms within 2 fp32 ulps (the norm's partials
+    cover other elements than stock's); at 3 ranks within compare.py's tolerance (another summation order). Each
+    step moves each owned gradient to the host once per reduction and each updated tensor back once."""
+    for case in (c for c in cases if ":ts" in c):
+        dtype, mode, stage = case.split(":")
+        reference = f"{dtype}:stock-offload:{stage}"
+        for rank in range(n):
+            ours, stock = load(case, rank), load(reference, rank)
+            assert ours["inner_class"] == stock["inner_class"] == "DeepSpeedCPUAdam", case
+            assert (ours["optimizer_class"], stock["optimizer_class"]) == (
+                "TensorShardOptimizer",
+                "DeepSpeedZeroOptimizer",
+            )
+            assert_run_matches(ours, stock, dtype, f"{case} vs {reference} rank {rank}")
+            if n == 2:
+                assert ours["losses"] == stock["losses"], case
+                assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items()), case
+                assert all(within_ulps(a, b, 2) for a, b in zip(ours["norms"], stock["norms"])), case
+            size = 4 if dtype == "fp32" else 2
+            owned = ours["numel_per_rank"][rank]
+            reductions = STEPS * (GAS if stage == "2" else 1)
+            crossed = {"to_host": owned * size * (1 + reductions), "to_device": owned * size * STEPS}
+            assert ours["host_traffic"] == crossed, case  # the masters' first copy, then every step's
+            assert ours["state_numel"] == 2 * owned and ours["master_numel"] == owned
+
+
+def test_offload_matches_stock_offload_at_two_ranks(equivalence_runs):
+    """fp32 at stage 1 and bf16 at stage 2 (GAS 2, clipping 1.0); the other pairs and 3 ranks: -m extended."""
+    assert_offload_matches_stock_offload(equivalence_runs(2), 2, OFFLOAD_CASES)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("n", WORLDS)
+def test_offload_matrix_matches_stock_offload(tmp_path, n):
+    """Every dtype x stage pair of ZeRO-Offload, torch and mpi transports (mpiexec), at 2 and 3 ranks."""
+    from tests.multiprocess.test_mpi import mpiexec
+
+    cases = OFFLOAD_EXTENDED + OFFLOAD_CASES
+    run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *cases], n)
+    mpi_cases = [c.replace(":ts-", ":tsmpi-") for c in OFFLOAD_CASES + OFFLOAD_EXTENDED if ":ts-" in c]
+    mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *mpi_cases], n)
+    load = lambda case, rank: torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt")  # noqa: E731
+    assert_offload_matches_stock_offload(load, n, cases + mpi_cases)

@@ -21,7 +21,15 @@ import ds_tensorshard  # noqa: F401
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches
 from tests.helpers.ranks import run_in_group, run_ranks
-from tests.workers.feature_worker import CHECKPOINTED, COMPILED, EXTENDED, SCENARIOS, TWO_RANK, UNMANAGED_MICRO_STEPS
+from tests.workers.feature_worker import (
+    CHECKPOINTED,
+    COMPILED,
+    EXTENDED,
+    SCENARIOS,
+    TWO_RANK,
+    TWO_RANK_EXTENDED,
+    UNMANAGED_MICRO_STEPS,
+)
 
 WORLD = 3
 
@@ -92,6 +100,29 @@ def test_new_key_or_direct_backward_matches_stock_at_two_ranks(features_at_two, 
         stage = TWO_RANK[scenario][1]
         mean = features_at_two(f"torch_backward_fp32_stage{stage}:ts", 0)["norms"][0]
         assert abs(runs["ts"][0]["norms"][0] - 2 * mean) <= 1e-5 * mean, (runs["ts"][0]["norms"][0], mean)
+
+
+def assert_updates_start_early(load, stage: int) -> None:
+    for rank in range(2):
+        ours = load(f"offload_early_bf16_stage{stage}:ts", rank)
+        stock = load(f"offload_early_bf16_stage{stage}:stock", rank)
+        assert ours["inner_class"] == stock["inner_class"] == "DeepSpeedCPUAdam"
+        finished, buckets = ours["first_update_at"]
+        assert buckets >= 3 and finished < buckets, ours["first_update_at"]
+        assert ours["losses"] == stock["losses"]
+        assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items())
+
+
+def test_offloaded_updates_start_before_the_last_reduction_ends(features_at_two):
+    """ZeRO-Offload without clipping or overflow check (bf16, check_grad_overflow false), stage 2: each tensor is
+    updated on the host as soon as its last reduced piece arrives, while later buckets are still being reduced
+    (measured: after the first of 10 reductions); the run is still stock ZeRO-Offload's bit for bit."""
+    assert_updates_start_early(features_at_two, 2)
+
+
+@pytest.mark.extended
+def test_offloaded_updates_start_early_at_stage_1(tmp_path_factory):
+    assert_updates_start_early(launch(tmp_path_factory, "early1", list(TWO_RANK_EXTENDED), 2), 1)
 
 
 def test_fp16_stage1_follows_stocks_loss_scale_through_overflows(features):

@@ -127,6 +127,24 @@ def test_hf_trainer(tmp_path):
     check_framework("HF Trainer", hf_run, tmp_path)
 
 
+def test_hf_trainer_with_the_guides_zero2_offload_config(tmp_path):
+    """The HF DeepSpeed guide's ZeRO-2 config (offload_optimizer cpu, pin_memory, "auto" values the Trainer
+    fills: lr, betas, eps, weight decay, WarmupLR, batch sizes, clipping) on 2 ranks: ds_tensorshard with
+    DeepSpeedCPUAdam on its owned host masters against stock ZeRO-Offload, within fp32 tolerance (compare.py);
+    measured bit-identical (losses and parameters)."""
+    runs = {}
+    for mode in ("stock", "ts"):
+        results = tmp_path / f"hf_offload_{mode}.pt"
+        args = ["-m", "ds_tensorshard.examples.hf_trainer", "--offload", "--results", str(results)]
+        run_ranks(args + ["--out", str(tmp_path / mode)] + (["--stock"] if mode == "stock" else []), 2, env=CPU_SITE)
+        runs[mode] = load(results)
+    assert runs["stock"]["optimizer_class"] == "DeepSpeedZeroOptimizer"
+    assert runs["ts"]["optimizer_class"] == "TensorShardOptimizer"
+    assert runs["ts"]["inner_class"] == runs["stock"]["inner_class"] == "DeepSpeedCPUAdam"
+    assert sorted(runs["ts"]["losses"]) == list(range(1, 7))
+    assert_same_run(runs["ts"], runs["stock"], "HF Trainer, the guide's ZeRO-2 offload config: vs stock, 2 ranks")
+
+
 # -- accelerate launch -----------------------------------------------------------------------------
 def accelerate_config(tmp_path, stock: bool) -> str:
     with open(os.path.join(ROOT, "configs", "accelerate_tensorshard.json")) as f:

@@ -63,3 +63,19 @@ def test_plan_cli_text(capsys):
     assert cli_main(["plan", "--preset", "demo", "--layers", "2", "--world-size", "3"]) == 0
     out = capsys.readouterr().out
     assert "world size 3" in out and out.count("  rank ") == 3 and "sent per rank per step" in out
+
+
+def test_migrate_config_maps_the_offload_block():
+    """cpu_offload (DeepSpeed's deprecated spelling) becomes offload_optimizer cpu; NVMe is dropped, saying stock
+    ZeRO-1/2 has no NVMe optimizer offload; offload_param is dropped as ZeRO-3's."""
+    from ds_tensorshard.commands.migrate import migrate_config
+
+    base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    legacy, report = migrate_config({**base, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert legacy["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert any("cpu_offload: true -> offload_optimizer" in line for line in report)
+    nvme = {"stage": 1, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"}}
+    migrated, report = migrate_config({**base, "zero_optimization": nvme})
+    assert migrated["zero_optimization"] == {"stage": 1}
+    assert any("no NVMe optimizer offload either" in line for line in report)
+    assert any(line.startswith("zero_optimization.offload_param: dropped") for line in report)

@@ -52,10 +52,29 @@ def initialize(config, optimizer=None):
 BAD = [
     ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'"),
     (
-        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-        "'zero_optimization.offload_optimizer'",
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+        "'zero_optimization.offload_optimizer' device 'nvme' is not supported with 'tensorshard.enabled': stock "
+        "ZeRO-1/2 has no NVMe optimizer offload either",
     ),
     ({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}, "'zero_optimization.offload_param'"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "is a ZeRO stage 3 feature"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'zero_optimization.cpu_offload'"),
+    (
+        {
+            "zero_optimization": {"stage": 2, "compute_grad_norm": False, "offload_optimizer": {"device": "cpu"}},
+            "gradient_clipping": 0.0,
+        },
+        "'zero_optimization.compute_grad_norm' false is not supported with 'zero_optimization.offload_optimizer'",
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Lamb"}},
+        "'optimizer.type' 'Lamb' is not supported with 'zero_optimization.offload_optimizer' device cpu: DeepSpeed "
+        "has no CPU LAMB",
+    ),
+    (
+        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Muon"}},
+        "'optimizer.type' 'Muon' is not supported with 'zero_optimization.offload_optimizer' device cpu: stock",
+    ),
     ({"tensorshard": {"enabled": True, "bucket_size": 10}}, "unknown key 'tensorshard.bucket_size'"),
     ({"tensorshard": {"enabled": "yes"}}, "'tensorshard.enabled'"),
     ({"tensorshard": {"enabled": True, "comm_backend": "nccl"}}, "'tensorshard.comm_backend'"),
@@ -229,3 +248,39 @@ def test_bad_environment_switch_is_refused_naming_the_variable(switch, keys, mes
     with pytest.raises(TensorShardConfigError) as err:
         initialize(config)
     assert message in str(err.value)
+
+
+OFFLOADED = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+
+
+@pytest.mark.parametrize(
+    "optimizer,inner",
+    [
+        ({"type": "AdamW", "params": {"lr": 1e-3}}, "DeepSpeedCPUAdam"),
+        ({"type": "Adagrad", "params": {"lr": 1e-2}}, "DeepSpeedCPUAdagrad"),
+        ({"type": "Lion", "params": {"lr": 1e-4}}, "DeepSpeedCPULion"),
+    ],
+)
+def test_offload_runs_stocks_cpu_optimizer_on_host_masters(optimizer, inner):
+    """As stock's engine chooses (_configure_basic_optimizer): DeepSpeed's CPU optimizer, over owned fp32 masters
+    that are host copies (never the model's own storage), with its state made on the host at the first step."""
+    model, engine, opt = initialize(base_config(optimizer=optimizer, zero_optimization=dict(OFFLOADED)))
+    assert type(opt.optimizer).__name__ == inner and opt.host is not None
+    assert all(m.device.type == "cpu" for m in opt.shard.masters.values()) and not opt.shard.views
+    loss = engine(torch.randn(2, 4)).square().sum()
+    engine.backward(loss)
+    before = opt.host.traffic.to_device
+    engine.step()
+    owned = sum(m.numel() for m in opt.shard.masters.values())
+    assert opt.host.traffic.to_device - before == 4 * owned  # each updated fp32 tensor crossed back once
+    assert all(t.device.type == "cpu" for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    if inner == "DeepSpeedCPUAdam":
+        assert opt.optimizer.adam_w_mode  # AdamW: stock's adamw_mode
+
+
+def test_cpu_optimizer_without_offload_is_refused():
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    config = {k: v for k, v in base_config().items() if k != "optimizer"}
+    with pytest.raises(TensorShardConfigError, match="DeepSpeedCPUAdam updates tensors in host memory only"):
+        initialize(config, optimizer=lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3))

@@ -2,7 +2,9 @@
 
 Usage (per rank, with RANK/WORLD_SIZE/MASTER_* set): python equivalence_worker.py OUT CASE [CASE...]
 CASE = DTYPE:MODE:STAGE[:SPLIT], e.g. fp32:stock:2, bf16:ts:1 or fp32:ts:2:never. MODE ``ts`` enables
-ds_tensorshard, ``tsmpi`` with the mpi comm backend; SPLIT is ``tensorshard.split_tensors``.
+ds_tensorshard, ``tsmpi`` with the mpi comm backend; a MODE ending in ``-offload`` (``stock-offload``,
+``ts-offload``, ``tsmpi-offload``) adds ZeRO-Offload (``offload_optimizer`` device cpu, pin_memory, as the HF
+guide's config); SPLIT is ``tensorshard.split_tensors``.
 ``EQ_VOCAB`` (default 64) sets the vocabulary: 1024 gives an embedding larger than a rank's share
 at 4 ranks and more, so ``"auto"`` splits it.
 Writes OUT/CASE.rankR.pt with the per-micro-step losses, grad norms, final parameters and
@@ -24,7 +26,16 @@ from tests.helpers.tiny_gpt import TinyGPT
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
 CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m in ("stock", "ts") for s in (1, 2)]  # all of them
+# ZeRO-Offload against stock's: the default tier's pairs (each stage once, each dtype once), then the rest
+OFFLOAD_CASES = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 1), ("bf16", 2)) for m in ("stock", "ts")]
+OFFLOAD_EXTENDED = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 2), ("bf16", 1)) for m in ("stock", "ts")]
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))
+OFFLOAD = "-offload"
+
+
+def base_mode(mode: str) -> str:
+    """``ts-offload`` -> ``ts``: the mode without ZeRO-Offload."""
+    return mode.removesuffix(OFFLOAD)
 
 
 def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto") -> dict:
@@ -41,6 +52,9 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
         "steps_per_print": 1000,
     }
+    if mode.endswith(OFFLOAD):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        mode = base_mode(mode)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":
@@ -76,7 +90,8 @@ def run_case(case: str, out_dir: str) -> None:
     )
     unused_initial = engine.module.unused.detach().float().clone()
     losses, norms, grads_after_backward, started_at_embedding = [], [], [], []
-    if mode in ("ts", "tsmpi"):  # how many buckets were under way when backward reached the embedding (its end)
+    ours = base_mode(mode) in ("ts", "tsmpi")
+    if ours:  # how many buckets were under way when backward reached the embedding (its end)
 
         def on_embedding(module, inputs, out) -> None:
             out.register_hook(lambda grad: started_at_embedding.append(optimizer.reducer.started))
@@ -98,8 +113,9 @@ def run_case(case: str, out_dir: str) -> None:
         "skipped_steps": engine.skipped_steps,
         "grads_after_backward": grads_after_backward,
         "optimizer_class": type(optimizer).__name__,
+        "inner_class": type(optimizer.optimizer).__name__,
     }
-    if mode in ("ts", "tsmpi"):
+    if ours:
         plan = optimizer.plan
         state_tensors = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         result.update(
@@ -116,6 +132,11 @@ def run_case(case: str, out_dir: str) -> None:
                 "first_embedding_bucket": next(
                     i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)
                 ),
+                "state_devices": sorted({str(t.device) for t in state_tensors}),
+                "master_devices": sorted({str(m.device) for g in optimizer.param_groups for m in g["params"]}),
+                "host_traffic": None if optimizer.host is None else vars(optimizer.host.traffic).copy(),
+                "masters_pinned": torch.cuda.is_available()
+                and all(m.is_pinned() for g in optimizer.param_groups for m in g["params"]),
             }
         )
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))

@@ -67,6 +67,16 @@ TWO_RANK = {
     "bf16_no_overflow_check_stage2": ("bf16", 2, 2, 5, {"bf16": {"enabled": True, "check_grad_overflow": False}}, {}),
     **{f"autocast_bf16_stage{s}": ("fp32", s, 2, 5, AUTOCAST, {}) for s in (1, 2)},
 }
+# ZeRO-Offload where each tensor is updated as its last reduced piece arrives (datapath/early_update.py): no
+# clipping, bf16 without the overflow check; before the autocast scenarios (see above): they run after them
+OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+EARLY = {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflow": False}}
+TWO_RANK = {
+    **{k: v for k, v in TWO_RANK.items() if not k.startswith("autocast")},
+    "offload_early_bf16_stage2": ("bf16", 2, 2, 5, EARLY, OFFLOAD),
+    **{k: v for k, v in TWO_RANK.items() if k.startswith("autocast")},
+}
+TWO_RANK_EXTENDED = {"offload_early_bf16_stage1": ("bf16", 1, 2, 5, EARLY, OFFLOAD)}  # test_fidelity, -m extended
 UNMANAGED_MICRO_STEPS = (3, 1, 2, 2, 1)  # backwards before each step() when the caller owns the boundary
 
 
@@ -80,7 +90,7 @@ class WithEmptyParameter(TinyGPT):
 
 def run_case(case: str, out_dir: str) -> None:
     scenario, mode = case.split(":")
-    dtype, stage, gas, steps, top, zero = {**SCENARIOS, **TWO_RANK}[scenario]
+    dtype, stage, gas, steps, top, zero = {**SCENARIOS, **TWO_RANK, **TWO_RANK_EXTENDED}[scenario]
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = ds_config(dtype, mode, stage, world)
     config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
@@ -133,6 +143,9 @@ def run_case(case: str, out_dir: str) -> None:
         "compiled": engine.is_compiled,
         "block_calls": len(block_calls),
         "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        # ds_tensorshard's early update: (reductions finished, buckets) when the first tensor was updated
+        "first_update_at": getattr(getattr(optimizer, "early", None), "first_update_at", None),
+        "inner_class": type(optimizer.optimizer).__name__,
     }
     torch.save(result, os.path.join(out_dir, f"{scenario}_{mode}.rank{rank}.pt"))
 

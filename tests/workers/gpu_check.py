@@ -3,6 +3,7 @@
     python -m tests.workers.gpu_check mpi OUT         two ranks on the GPU, mpi transport, vs stock ZeRO-2 on the CPU
     python -m tests.workers.gpu_check checkpoint OUT  save at step 3 and resume on CUDA vs the uninterrupted run
     python -m tests.workers.gpu_check fused OUT       DeepSpeed's FusedLamb (vs stage 0), FusedLion (vs ZeRO-2), CUDA
+    python -m tests.workers.gpu_check offload OUT     ZeRO-Offload on CUDA (pinned host masters) vs stock's
 
 Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on a failure.
 """
@@ -86,8 +87,27 @@ def check_fused(out: str) -> None:
     )
 
 
+def check_offload(out: str) -> None:
+    """ZeRO-Offload on CUDA at one rank: the owned masters pinned in host memory, DeepSpeedCPUAdam on them,
+    against stock ZeRO-Offload of the same config (fp32 stage 2, bf16 stage 1)."""
+    from tests.helpers.compare import assert_run_matches
+
+    os.makedirs(out, exist_ok=True)
+    cases = ["fp32:stock-offload:2", "fp32:ts-offload:2", "bf16:stock-offload:1", "bf16:ts-offload:1"]
+    run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), out, *cases], 1, env={"DS_ACCELERATOR": "cuda"})
+    load = lambda case: torch.load(f"{out}/{case.replace(':', '_')}.rank0.pt")  # noqa: E731
+    worst = 0.0
+    for dtype, stage in (("fp32", 2), ("bf16", 1)):
+        ours, stock = load(f"{dtype}:ts-offload:{stage}"), load(f"{dtype}:stock-offload:{stage}")
+        assert ours["masters_pinned"] and ours["inner_class"] == stock["inner_class"] == "DeepSpeedCPUAdam"
+        assert_run_matches(ours, stock, dtype, f"{dtype} stage {stage} offload vs stock offload")
+        worst = max(worst, max((ours["params"][k] - v).abs().max().item() for k, v in stock["params"].items()))
+    print(f"NOTE pinned host masters; max |param diff| vs stock offload {worst:.1e}")
+
+
 if __name__ == "__main__":
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
     )  # ranks import tests
-    {"mpi": check_mpi, "checkpoint": check_checkpoint, "fused": check_fused}[sys.argv[1]](sys.argv[2])
+    checks = {"mpi": check_mpi, "checkpoint": check_checkpoint, "fused": check_fused, "offload": check_offload}
+    checks[sys.argv[1]](sys.argv[2])

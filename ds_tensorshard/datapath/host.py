@@ -1,0 +1,56 @@
+"""ZeRO-Offload of the owned tensors: where each owner's fp32 masters, reduced gradients and optimizer state
+live when the config sets ``zero_optimization.offload_optimizer`` device cpu, and the bytes that cross
+between the accelerator and host memory.
+
+Only whole owned tensors (or their dim-0 blocks) cross: each reduced gradient piece once, in the dtype it was
+reduced in (it becomes fp32 on the host), and each updated tensor once, in the model's dtype (cast on the
+host, as stock's bit16 staging buffer does). On a CPU-only machine the "host" is the same memory: the copies
+are still made, and counted, so that the figures are what a GPU would move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+HOST = torch.device("cpu")
+
+
+@dataclass
+class HostTraffic:
+    """Bytes copied between the accelerator and host memory (on CPU: that would be copied), by direction."""
+
+    to_host: int = 0
+    to_device: int = 0
+
+
+@dataclass
+class HostMemory:
+    """Host placement of an owner's state: page-locked (``pin_memory``) where there is an accelerator to copy
+    from, ordinary memory on a CPU-only machine, where pinning means nothing."""
+
+    pin_memory: bool
+    traffic: HostTraffic = field(default_factory=HostTraffic)
+
+    def __post_init__(self) -> None:
+        self.pinned = self.pin_memory and get_accelerator().device_name() != "cpu"
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=HOST)
+        return get_accelerator().pin_memory(tensor) if self.pinned else tensor
+
+    def zeros(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(shape, dtype).zero_()
+
+    def fetch(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host copy of an accelerator ``tensor`` (copied in its own dtype, then cast to ``dtype`` on the host)."""
+        copy = self.empty(tensor.shape, tensor.dtype).copy_(tensor)
+        self.traffic.to_host += tensor.numel() * tensor.element_size()
+        return copy if dtype is None or dtype == copy.dtype else self.empty(tensor.shape, dtype).copy_(copy)
+
+    def send(self, master: torch.Tensor, target: torch.Tensor) -> None:
+        """Write a host ``master`` into an accelerator ``target`` of the same numel, cast to its dtype on the host."""
+        target.copy_(master.reshape(target.shape).to(target.dtype))
+        self.traffic.to_device += target.numel() * target.element_size()
