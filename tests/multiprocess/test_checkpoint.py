@@ -284,15 +284,22 @@ def offload_runs(tmp_path_factory):
     """ZeRO-Offload (offload_optimizer cpu) saves and loads: ds_tensorshard's at 2 ranks resumed at 3 without
     offload and at 1 with it; stock ZeRO-Offload's at 2 ranks resumed by ds_tensorshard at 3; both converted."""
     d = tmp_path_factory.mktemp("ckpt_offload")
-    r = {"ref": train(d / "ref.pt", "fp32", "ts-offload", 2, 2, "--save", d / "c", "--save-at", 3)}
-    r["to3_without_offload"] = train(d / "l3.pt", "fp32", "ts", 2, 3, "--load", d / "c")
-    r["to1_with_offload"] = train(d / "l1.pt", "fp32", "ts-offload", 1, 1, "--load", d / "c")
-    r["stock"] = train(d / "s.pt", "fp32", "stock-offload", 2, 2, "--save", d / "s", "--save-at", 3)
-    r["stock_to3"] = train(d / "ls3.pt", "fp32", "ts-offload", 2, 3, "--load", d / "s")
+    r = {}
+    r["ref"], r["stock"] = train(
+        2,
+        (d / "ref.pt", "fp32", "ts-offload", 2, "--save", d / "c", "--save-at", 3),
+        (d / "s.pt", "fp32", "stock-offload", 2, "--save", d / "s", "--save-at", 3),
+    )
     cli("convert-checkpoint", d / "c", d / "c_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
-    r["stock_from_ts"] = train(d / "lsz.pt", "fp32", "stock-offload", 2, 3, "--load", d / "c_as_zero")
     cli("convert-checkpoint", d / "s", d / "s_as_ts", "--to", "tensorshard", "--world-size", 3)
-    r["converted_stock"] = train(d / "lcs.pt", "fp32", "ts", 2, 2, "--load", d / "s_as_ts")
+    r["to3_without_offload"], r["stock_to3"], r["stock_from_ts"] = train(
+        3,
+        (d / "l3.pt", "fp32", "ts", 2, "--load", d / "c"),
+        (d / "ls3.pt", "fp32", "ts-offload", 2, "--load", d / "s"),
+        (d / "lsz.pt", "fp32", "stock-offload", 2, "--load", d / "c_as_zero"),
+    )
+    (r["converted_stock"],) = train(2, (d / "lcs.pt", "fp32", "ts", 2, "--load", d / "s_as_ts"))
+    (r["to1_with_offload"],) = train(1, (d / "l1.pt", "fp32", "ts-offload", 1, "--load", d / "c"))
     return r
 
 
