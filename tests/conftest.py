@@ -86,9 +86,15 @@ def saved(single_rank_world, tmp_path):
 
 # The fast tier is `pytest -m "not multiprocess"`: tests/multiprocess/ holds every test that starts other
 # processes (ranks, launchers, the command line), tests/unit/ the in-process ones.
+# launch/test.sh runs two pytest-xdist workers (`-n 2 --dist loadgroup`): a test module runs whole on one of
+# them, so that its module fixtures run once, and test_mpi with test_equivalence, whose session runs it shares.
+SHARED_WORKER = {"test_mpi": "test_equivalence"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     for item in items:
         if "multiprocess" in item.path.parts:
             item.add_marker(pytest.mark.multiprocess)
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.stem, item.path.stem)))
+    items.sort(key=lambda item: "multiprocess" not in item.path.parts)  # the long modules first, the quick to fill in
