@@ -5,7 +5,8 @@
 # named eth0 on both sides (DeepSpeed's openmpi runner hard-codes btl_tcp_if_include eth0), loopback, no route
 # anywhere else; each host has its own hostname, /etc/hosts, process namespace and an sshd with key
 # authentication (a key made here, bound over ~/.ssh inside the hosts only). The file system is shared, as a
-# cluster's shared storage. The tests run on host A and reach both hosts over ssh (pdsh, Open MPI's prted,
+# cluster's shared storage, except $work/local: a folder of each host's own (a tmpfs mounted by its sshd's mount
+# namespace; MULTIHOST_LOCAL_DIR), as node-local storage. The tests run on host A and reach both hosts over ssh (pdsh, Open MPI's prted,
 # MPICH's hydra). Everything made here is removed on exit, failure or Ctrl-C. Where the hosts cannot be made
 # (not root, no namespaces, no sshd/pdsh and no package manager), the tests skip, naming the reason.
 set -euo pipefail
@@ -74,7 +75,7 @@ for i in 0 1; do
         >"/etc/netns/$name/hosts"
 done
 
-mkdir -p "$work/ssh" /run/sshd
+mkdir -p "$work/ssh" "$work/local" /run/sshd
 chmod 700 "$work/ssh"
 ssh-keygen -q -t ed25519 -N "" -f "$work/ssh/id_ed25519"
 ssh-keygen -q -t ed25519 -N "" -f "$work/host_key"
@@ -100,7 +101,8 @@ KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
 EOF
-    inside "${NAMES[$i]}" "$SSHD" -D -e -f "$work/sshd-$i.conf" >"$work/sshd-$i.log" 2>&1 &
+    inside "${NAMES[$i]}" sh -c "mount -t tmpfs -o size=256m tmpfs '$work/local' && exec '$SSHD' -D -e -f \
+        '$work/sshd-$i.conf'" >"$work/sshd-$i.log" 2>&1 &
     pids+=($!)
 done
 for name in "${NAMES[@]}"; do  # both sshds answer from host A before the tests start
@@ -116,7 +118,7 @@ export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$work/rows.jsonl}"
 : >"$LAUNCHER_MATRIX_OUT"
 status=0
 started=$SECONDS
-MULTIHOST_HOSTS="${NAMES[*]}" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
+MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL_DIR="$work/local" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
     status=$?
 echo "multihost: the tests took $((SECONDS - started)) s"
 python - "$LAUNCHER_MATRIX_OUT" <<'PY'
