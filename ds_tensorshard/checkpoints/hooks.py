@@ -4,8 +4,10 @@
 file of one save carries one checkpoint id; only when every rank's files are complete does the
 staging folder become the tag's folder (replacing an earlier save of the same tag whole) and
 ``latest`` move. A write that fails on any rank fails the save on every rank, naming the file, and
-leaves nothing of it behind; the staging folder of a save whose rank was killed stays until the next
-complete save of that tag removes it (it is never taken for a checkpoint).
+leaves nothing of it behind; so does a save in which rank 0 does not find every file another rank
+wrote, at its size (a save folder not shared between hosts), naming those ranks and the folder. The
+staging folder of a save whose rank was killed stays until the next complete save of that tag
+removes it (it is never taken for a checkpoint).
 ``load_checkpoint``: the checkpoint (ds_tensorshard, stock ZeRO-1/2 or universal) is opened and
 checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
@@ -26,6 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_tensorshard.checkpoints.files import (
+    digest_path,
     digested_name,
     fsync_dir,
     load_for_deepspeed,
@@ -87,6 +90,7 @@ def wrap_save_checkpoint(original):
         final = os.path.join(save_dir, tag)
         staging = os.path.join(save_dir, f".{tag}.saving-{self.optimizer.checkpoint_id[:12]}")
         failures: list[str] = []
+        written: dict[str, int] = {}  # each file this rank wrote, relative to save_dir: its size
 
         def save(state_dict, path: str) -> None:
             """Every file of this save goes to a staging folder (beside the tag's, never named like a tag);
@@ -97,6 +101,8 @@ def wrap_save_checkpoint(original):
             try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 save_atomic(state_dict, target)
+                for done in (target, digest_path(target)):
+                    written[os.path.relpath(done, save_dir)] = os.path.getsize(done)
             except Exception as err:  # noqa: BLE001 - disk full, file too large, read-only: all end the save
                 failures.append(f"{path}: {type(err).__name__}: {err}")
 
@@ -118,29 +124,61 @@ def wrap_save_checkpoint(original):
             except Exception as err:  # noqa: BLE001 - as for the checkpoint files
                 failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
         reports: list = [None] * dist.get_world_size()
-        torch.distributed.all_gather_object(reports, failures)  # every rank learns whether all files are complete
-        failed = [(rank, failure) for rank, found in enumerate(reports) for failure in found]
+        torch.distributed.all_gather_object(reports, (failures, written))  # every file complete, on every rank?
+        verdict: list[str | None] = [None]
         if self.global_rank == 0:
-            if failed:
-                shutil.rmtree(staging, ignore_errors=True)
-                _remove_if_empty(final)
+            verdict[0] = _save_failure(save_dir, final, staging, reports)
+            if verdict[0] is not None:
+                _discard(staging, final)
             else:
                 _move_into_place(staging, final)
                 _remove_stale_rank_files(final, self.optimizer.comm.world_size)
                 _remove_abandoned_staging(save_dir, tag)
                 if save_latest:
                     write_text_atomic(os.path.join(save_dir, "latest"), tag)
-        dist.barrier()
-        if failed:
-            rank, failure = failed[0]
-            raise CheckpointError(
-                f"saving checkpoint {final} failed on rank {rank} ({failure})"
-                + (f" and {len(failed) - 1} more file(s)" if len(failed) > 1 else "")
-                + "; nothing of it was kept and 'latest' was not moved"
-            )
+        torch.distributed.broadcast_object_list(verdict, src=0)  # after rank 0 committed (or discarded) the save
+        if verdict[0] is not None:
+            _discard(staging, final)  # this rank's own copy, where its host does not share rank 0's folder
+            raise CheckpointError(verdict[0])
         return True
 
     return save_checkpoint
+
+
+def _save_failure(save_dir: str, final: str, staging: str, reports: list) -> str | None:
+    """Why the save cannot be committed, from every rank's (failed writes, files written with their sizes), or
+    None: a failed write first, then files rank 0 does not find in its ``save_dir`` at the size written."""
+    kept = "; nothing of it was kept and 'latest' was not moved"
+    failed = [(rank, failure) for rank, (found, _) in enumerate(reports) for failure in found]
+    if failed:
+        rank, failure = failed[0]
+        more = f" and {len(failed) - 1} more file(s)" if len(failed) > 1 else ""
+        return f"saving checkpoint {final} failed on rank {rank} ({failure}){more}{kept}"
+    unseen = {
+        rank: [name for name, size in written.items() if not _has_size(os.path.join(save_dir, name), size)]
+        for rank, (_, written) in enumerate(reports)
+    }
+    ranks = [rank for rank, names in unseen.items() if names]
+    if not ranks:
+        return None
+    return (
+        f"saving checkpoint {final} failed: rank 0 does not find the files of rank(s) {', '.join(map(str, ranks))} "
+        f"in {staging} (first: {unseen[ranks[0]][0]}, written by rank {ranks[0]}); the save folder {save_dir} must "
+        f"be one folder that every rank writes to, shared between the hosts at the same path{kept}"
+    )
+
+
+def _has_size(path: str, size: int) -> bool:
+    return os.path.isfile(path) and os.path.getsize(path) == size
+
+
+def _discard(staging: str, final: str) -> None:
+    """Remove a failed save's staging folder and its empty tag folder (another rank may be removing them too)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _remove_if_empty(final)
+    except FileNotFoundError:
+        pass
 
 
 def _inside(path: str, folder: str) -> bool:

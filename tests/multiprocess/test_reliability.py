@@ -196,3 +196,32 @@ def test_save_that_fails_on_one_rank_fails_everywhere_and_loses_nothing(tmp_path
     assert sorted(resumed["losses"]) == [2, 3, 4, 5]
     assert all(resumed["losses"][k] == ref["losses"][k] for k in resumed["losses"])  # bit for bit
     assert all(torch.equal(resumed["params"][k], v) for k, v in ref["params"].items())
+
+
+def test_save_into_a_folder_rank_0_cannot_see_fails_everywhere_naming_the_ranks(tmp_path):
+    """Rank 1 saves step 4 into a folder of its own (as on a host that does not share the save folder): the save
+    fails on every rank, naming rank 1 and the folder, and the complete step-2 save stays ``latest``."""
+    from ds_tensorshard.checkpoints.files import verify
+    from tests.helpers.ranks import run_ranks
+
+    worker = os.path.join(WORKERS, "checkpoint_worker.py")
+    save, own = tmp_path / "c", tmp_path / "c-rank1"
+    args = [worker, str(tmp_path / "out.pt"), "fp32", "ts", "2", "6", "--save", str(save)]
+    outputs = run_ranks([*args, "--save-at", "2", "4", "--own-folder-at", "4"], 2, check=False)
+    for out in outputs:
+        assert re.search(
+            rf"SAVE FAILED saving checkpoint {save}/step4 failed: rank 0 does not find the files of rank\(s\) 1 in "
+            rf"{save}/\.step4\.saving-\w+ \(first: .*zero_pp_rank_1_mp_rank_00_optim_states\.pt, written by rank 1\); "
+            rf"the save folder {save} must be one folder that every rank writes to, .*'latest' was not moved",
+            out,
+        ), out[-3000:]
+    assert (save / "latest").read_text() == "step2"
+    names = set(os.listdir(save))  # nothing of the failed save in rank 0's folder, nor in rank 1's own
+    assert "step2" in names and "step4" not in names and not any(n.startswith(".") for n in names), names
+    assert not own.exists() or not any(own.rglob("*.pt")), list(own.rglob("*"))
+    for name in (
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ):
+        verify(str(save / "step2" / name))  # the earlier save is whole: every file at its recorded digest

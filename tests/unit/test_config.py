@@ -84,6 +84,7 @@ BAD = [
     ({"tensorshard": [1]}, "'tensorshard' must be a JSON object"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'optimizer.type' 'OneBitAdam' cannot be sharded"),
     ({"compile": {"deepcompile": True}}, "'compile.deepcompile' is not supported"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "'checkpoint.use_node_local_storage' is not supported"),
 ]
 
 
@@ -98,6 +99,12 @@ def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
     assert message in str(err.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+def test_node_local_storage_inside_zero_optimization_is_refused_naming_the_key():
+    """DeepSpeed reads the key only from the ``checkpoint`` block; its ZeRO model refuses it, as for stock."""
+    with pytest.raises(ValueError, match=r"use_node_local_storage\n  Extra inputs are not permitted"):
+        initialize(base_config(zero_optimization={"stage": 2, "use_node_local_storage": True}))
 
 
 def test_unshardable_client_optimizer_is_refused_by_class_name():

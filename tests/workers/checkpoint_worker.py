@@ -1,7 +1,8 @@
 """One rank of a checkpoint run: TinyGPT at a fixed global batch, optionally loading and saving.
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
-    [--die-during-save-at K] [--universal] [--split auto|never] [--optimizer NAME] [+ OUT DTYPE ... [+ ...]]
+    [--die-during-save-at K] [--own-folder-at K] [--universal] [--split auto|never] [--optimizer NAME]
+    [+ OUT DTYPE ... [+ ...]]
 
 Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
 one world size; a later run may load what an earlier one saved).
@@ -76,6 +77,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="rank 1 may write no file over 64 KiB (ulimit -f) during this save; every rank then "
         "prints the error and exits 3",
     )
+    parser.add_argument(
+        "--own-folder-at",
+        type=int,
+        help="in this save every rank but 0 writes to a folder of its own, DIR-rank<r> (a save folder not shared "
+        "between hosts); every rank then prints the error and exits 3",
+    )
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
@@ -121,8 +128,11 @@ def run(args: argparse.Namespace) -> None:
             if engine.global_steps == args.fail_save_at and rank == 1:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+            folder = args.save
+            if engine.global_steps == args.own_folder_at and rank != 0:
+                folder = f"{args.save}-rank{rank}"
             try:
-                engine.save_checkpoint(args.save, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
+                engine.save_checkpoint(folder, tag=f"step{engine.global_steps}", client_state={"marker": "kept"})
             except CheckpointError as err:
                 print(f"SAVE FAILED {err}", flush=True)
                 close_process_group()
