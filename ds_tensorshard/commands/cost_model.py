@@ -7,9 +7,10 @@ another, none overlapped with compute or with each other, except those one launc
 
 Three patterns per step, each with one scalar all-reduce for the gradient norm:
 
-- ``tensorshard``: today's data path, a reduce to each owner present in a bucket, then a broadcast from each;
-- ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (NCCL's group calls run a
-  bucket's rooted operations together: one chain latency, the bucket's bytes);
+- ``tensorshard_per_owner``: a reduce to each owner present in a bucket, then a broadcast from each (the torch
+  transport on gloo, which groups nothing);
+- ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (the mpi transport's
+  ``Ireduce_scatter``/``Iallgatherv``, the torch transport's NCCL group calls: one chain latency, the bucket's bytes);
 - ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
   ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
   ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition
@@ -115,8 +116,8 @@ def _norm(n: int, net: Network) -> Time:
     return all_reduce(4, n, net)
 
 
-def tensorshard_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
-    """Today's data path: per bucket one reduce to each owner present, then one broadcast from each."""
+def per_owner_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
+    """Per bucket one reduce to each owner present, then one broadcast from each."""
     per_owner = [rooted(s.numel * element_bytes, n, net) for b in buckets for s in b.segments]
     return _cost([*per_owner, *per_owner, _norm(n, net)])
 
@@ -197,17 +198,17 @@ def cost_report(
     buckets: Sequence[Bucket], numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int
 ) -> dict[str, Any]:
     """The three patterns (and stock with ``use_multi_rank_bucket_allreduce`` false) with the ratios to stock."""
-    today = tensorshard_cost(buckets, n, net, element_bytes)
+    per_owner = per_owner_cost(buckets, n, net, element_bytes)
     grouped = tensorshard_grouped_cost(buckets, n, net, element_bytes)
     stock = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes)
     stock_reduce = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes, multi_rank=False)
     return {
         "network": asdict(net),
         "element_bytes": element_bytes,
-        "tensorshard": asdict(today),
+        "tensorshard_per_owner": asdict(per_owner),
         "tensorshard_grouped": asdict(grouped),
         "stock_zero2": asdict(stock),
         "stock_zero2_reduce": asdict(stock_reduce),
-        "time_ratio": today.seconds / stock.seconds if stock.seconds else 1.0,
+        "per_owner_time_ratio": per_owner.seconds / stock.seconds if stock.seconds else 1.0,
         "grouped_time_ratio": grouped.seconds / stock.seconds if stock.seconds else 1.0,
     }

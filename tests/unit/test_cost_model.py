@@ -10,10 +10,10 @@ from ds_tensorshard.commands.cost_model import (
     all_gather,
     all_reduce,
     parse_network,
+    per_owner_cost,
     rooted,
     stock_buckets,
     stock_zero2_cost,
-    tensorshard_cost,
     tensorshard_grouped_cost,
 )
 from ds_tensorshard.commands.plan_report import meta_buckets
@@ -73,7 +73,7 @@ def test_tensorshard_by_hand():
     buckets = meta_buckets(shapes, plan, 8)
     assert [[s.owner for s in b.segments] for b in buckets] == [[0, 1], [0, 1]]
     sizes = [s.numel * 2 for b in buckets for s in b.segments]
-    today = tensorshard_cost(buckets, 2, NET, element_bytes=2)
+    today = per_owner_cost(buckets, 2, NET, element_bytes=2)
     assert today.launches == 2 * 4 + 1
     assert today.seconds == pytest.approx(
         2 * sum(sum(rooted(size, 2, NET)) for size in sizes) + sum(all_reduce(4, 2, NET))
@@ -88,7 +88,8 @@ def test_plan_reports_the_communication_both_ways(capsys):
     comm = json.loads(capsys.readouterr().out)[0]["communication"]
     assert comm["network"] == {"alpha_us": 9.6, "bus_gbps": 400.0, "intra_node_ranks": 8, "intra_gbps": 450.0}
     assert comm["tensorshard_grouped"]["launches"] == 2 * 32 + 1  # GPT-2 small: 32 buckets
-    assert comm["tensorshard"]["launches"] > comm["tensorshard_grouped"]["launches"]
-    assert comm["time_ratio"] == pytest.approx(comm["tensorshard"]["seconds"] / comm["stock_zero2"]["seconds"])
+    assert comm["tensorshard_per_owner"]["launches"] > comm["tensorshard_grouped"]["launches"]
+    per_owner = comm["tensorshard_per_owner"]["seconds"]
+    assert comm["per_owner_time_ratio"] == pytest.approx(per_owner / comm["stock_zero2"]["seconds"])
     assert cli_main(["plan", "--world-size", "8", "--network", "fast"]) == 2
     assert "--network takes" in capsys.readouterr().err
