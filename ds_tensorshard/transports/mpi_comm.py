@@ -1,9 +1,9 @@
 """``"comm_backend": "mpi"``: the data path's collectives through mpi4py.
 
 A bucket moves with one ``Ireduce_scatter`` (per-rank counts: each owner's segment, zero for a rank
-owning nothing there) and one ``Iallgatherv`` (the same counts, in place), whatever the number of
-owners and the world size; both are non-blocking, so communication overlaps computation; nothing is
-padded. CPU tensors are handed to MPI as numpy views (no copy).
+owning nothing there) and one ``Iallgatherv`` (the same counts, in place; an ``Ibcast`` where the
+bucket has one owner), whatever the number of owners and the world size; both are non-blocking, so
+communication overlaps computation; nothing is padded. CPU tensors are handed to MPI as numpy views (no copy).
 bf16/fp16 travel as raw 16-bit words and are summed by a user-defined MPI op (MPI has no bf16
 sum): each pairwise addition of the reduction is done in fp32 and rounded back to 16 bits, the
 precision of NCCL's 16-bit reductions that stock ZeRO uses. CUDA tensors go to MPI directly where
@@ -148,6 +148,9 @@ class MpiComm:
         return Pending(self._completion(request, f"reduce to rank {owner}", host, tensor, self.rank == owner), host)
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        return self._ibcast(tensor, owner)
+
+    def _ibcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         host = self._host(tensor)
         request = self.mpi.Ibcast(self._spec(host), root=owner)
         return Pending(
@@ -178,6 +181,9 @@ class MpiComm:
         return Pending(finish, host, mine)
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        if len(spans) == 1:  # one owner: MPICH's Ibcast moves it several times faster than its Iallgatherv
+            owner, offset, numel = spans[0]
+            return self._ibcast(flat[offset : offset + numel], owner)
         MPI = _mpi()
         host = self._host(flat)
         counts, offsets = self._counts(spans)

@@ -76,6 +76,7 @@ line = "RESULT " + json.dumps(
         "rank": engine.global_rank,
         "buckets": len(buckets),
         "segments": sum(len(b.segments) for b in buckets),
+        "one_owner": sum(len(b.segments) == 1 for b in buckets),
         "per_step": per_step[1:],
     }
 )
