@@ -87,6 +87,18 @@ def _count_mpi_collectives() -> None:
             return _original(self, tensor, *args)
 
         setattr(mpi_comm.MpiComm, name, counted)
+    for name, kind in (("start_reduce_segments", "reduce"), ("start_broadcast_segments", "broadcast")):
+        original = getattr(mpi_comm.MpiComm, name)
+
+        @functools.wraps(original)
+        def counted_segments(self, flat, spans, _original=original, _kind=kind):
+            for owner, _offset, numel in spans:  # as a rooted collective per owner would send
+                _SENT["mpi_" + _kind] += (
+                    _FACTORS[_kind](self.world_size, owner, self.rank) * numel * flat.element_size()
+                )
+            return _original(self, flat, spans)
+
+        setattr(mpi_comm.MpiComm, name, counted_segments)
 
 
 class Clock:

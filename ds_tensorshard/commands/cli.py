@@ -12,12 +12,15 @@ from ds_tensorshard.commands.model_source import add_model_arguments, model_shap
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, parse_network
     from ds_tensorshard.commands.plan_report import format_report, plan_report
     from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL
 
     shapes = model_shapes(args)
+    network = parse_network(args.network) if args.network else DEFAULT_NETWORK
+    bucket_numel = args.bucket_numel or DEFAULT_BUCKET_NUMEL
     reports = [
-        plan_report(shapes, n, args.bucket_numel or DEFAULT_BUCKET_NUMEL, args.split_tensors, args.optimizer)
+        plan_report(shapes, n, bucket_numel, args.split_tensors, args.optimizer, network, args.element_bytes)
         for n in args.world_size
     ]
     if args.json:
@@ -78,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="adam",
         help="muon: the layers' matrices stay whole and their Newton-Schulz work is balanced and "
         "reported next to stock ZeRO's",
+    )
+    plan.add_argument(
+        "--network",
+        metavar="ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS]",
+        help="latency per hop and bus bandwidths of the predicted communication time (default 9.6,400,8,450: "
+        "8-GPU H100 nodes over 8 x 400 Gb/s InfiniBand; see docs/performance.md)",
+    )
+    plan.add_argument(
+        "--element-bytes", type=int, choices=[2, 4], default=2, help="bytes per gradient element on the wire (bf16: 2)"
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, Network, cost_report
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
@@ -87,9 +88,16 @@ def newton_schulz_report(shapes: Shapes, plan: OwnershipPlan, muon: list[str]) -
 
 
 def plan_report(
-    shapes: Shapes, world_size: int, bucket_numel: int, split: SplitMode = "auto", optimizer: str = "adam"
+    shapes: Shapes,
+    world_size: int,
+    bucket_numel: int,
+    split: SplitMode = "auto",
+    optimizer: str = "adam",
+    network: Network = DEFAULT_NETWORK,
+    element_bytes: int = 2,
 ) -> dict[str, Any]:
-    """Balance, splits, buckets and wire volume of one world size, with the whole-tensor plan beside it;
+    """Balance, splits, buckets, wire volume and predicted communication time (against stock ZeRO-2's, on
+    ``network`` with gradients of ``element_bytes``) of one world size, with the whole-tensor plan beside it;
     for ``optimizer="muon"`` also the Newton-Schulz work and momentum per rank against stock's rule."""
     started = time.perf_counter()
     muon = muon_matrices(shapes) if optimizer == "muon" else []
@@ -128,8 +136,35 @@ def plan_report(
         "wire_ratio": max(sent, default=0) / reference if reference else 1.0,
         "plan_and_buckets_s": seconds,
         "numel_per_rank": list(plan.numel_per_rank),
+        "communication": cost_report(
+            buckets, [math.prod(shape) for _, shape in shapes], world_size, bucket_numel, network, element_bytes
+        ),
         **({"newton_schulz": newton_schulz_report(shapes, plan, muon)} if muon else {}),
     }
+
+
+def _communication_lines(comm: dict[str, Any]) -> list[str]:
+    net = comm["network"]
+    rows = [
+        ("ds_tensorshard, a reduce and a broadcast per owner in a bucket (gloo)", comm["tensorshard_per_owner"]),
+        ("ds_tensorshard, one launch per bucket and direction (mpi, NCCL)", comm["tensorshard_grouped"]),
+        ("stock ZeRO-2 (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
+    ]
+    lines = [
+        f"  communication per step, predicted (alpha {net['alpha_us']} us per hop, {net['bus_gbps']} GB/s bus across "
+        f"nodes, {net['intra_gbps']} GB/s within {net['intra_node_ranks']}-rank nodes, {comm['element_bytes']}-byte "
+        "gradients):"
+    ]
+    lines += [
+        f"    {name}: {cost['launches']:,} collectives, {cost['seconds'] * 1e3:,.1f} ms "
+        f"({cost['latency_s'] * 1e3:,.1f} ms of it latency)"
+        for name, cost in rows
+    ]
+    lines.append(
+        f"    ratio to stock ZeRO-2: {comm['per_owner_time_ratio']:.2f}x per owner, "
+        f"{comm['grouped_time_ratio']:.2f}x grouped"
+    )
+    return lines
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
@@ -150,6 +185,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
         f"  sent per rank per step {report['sent_per_rank_max']:,} elements = {report['wire_ratio']:.4f} x a ring "
         f"all-reduce ({report['all_reduce_sent']:,.0f}); plan + buckets in {report['plan_and_buckets_s'] * 1e3:.0f} ms",
     ]
+    lines += _communication_lines(report["communication"])
     if "newton_schulz" in report:
         ns = report["newton_schulz"]
         lines.append(

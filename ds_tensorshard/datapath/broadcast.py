@@ -15,8 +15,9 @@ from ds_tensorshard.transports.protocol import Pending, Transport
 
 
 class Broadcast:
-    """One broadcast per owner present in a bucket, at most ``IN_FLIGHT`` buckets under way, the first
-    ones started on creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
+    """Every owner's segment of a bucket to every rank (one operation where the transport groups them, else
+    one broadcast per owner present), at most ``IN_FLIGHT`` buckets under way, the first ones started on
+    creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
 
     def __init__(
         self,
@@ -25,7 +26,7 @@ class Broadcast:
         describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
     ) -> None:
         self.todo, self.comm, self.describe = deque(enumerate(buckets)), comm, describe
-        self.in_flight: deque[tuple[int, Bucket, torch.Tensor, list[Pending]]] = deque()
+        self.in_flight: deque[tuple[int, Bucket, torch.Tensor, Pending]] = deque()
         self._fill()
 
     def _fill(self) -> None:
@@ -36,15 +37,13 @@ class Broadcast:
             if mine is not None:
                 for piece, view in mine.views(flat[mine.offset : mine.offset + mine.numel]):
                     view.copy_(piece.of(piece.param.data))
-            pending = [self.comm.start_broadcast(flat[s.offset : s.offset + s.numel], s.owner) for s in bucket.segments]
-            self.in_flight.append((index, bucket, flat, pending))
+            self.in_flight.append((index, bucket, flat, self.comm.start_broadcast_segments(flat, bucket.spans)))
 
     @torch.no_grad()
     def finish(self) -> None:
         while self.in_flight:
             index, bucket, flat, pending = self.in_flight.popleft()
-            for p in pending:
-                wait_or_fail(p.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
+            wait_or_fail(pending.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
                     for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):

@@ -7,7 +7,8 @@ bucket holds gradients that backward produces at about the same time, and a larg
 in pieces over several buckets while its owner stays one rank. Inside a bucket the pieces are
 grouped by owner, owners ascending, back to back: segment ``r`` is what rank ``r`` receives
 reduced and later sends back updated. Segments have whatever size ownership gives them; the
-transports move them with per-owner collectives, so nothing is padded. A bucket is packed into a
+transports move them as one operation per bucket and direction where the backend has one (else one
+collective per owner), so nothing is padded. A bucket is packed into a
 flat buffer only while it is in flight.
 
 Worked example: tensors ``a`` (6 elements, rank 1), ``b`` (4, rank 0), ``c`` (5, rank 1) in
@@ -72,6 +73,11 @@ class Bucket:
     comm_dtype: torch.dtype | None = None
     """The dtype its gradients travel in, where the tensors say (DeepSpeed's autocast marks); None: the
     config's ``communication_data_type`` (see :class:`~ds_tensorshard.datapath.reduce.Averaging`)."""
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(owner, offset, numel)`` of each segment: what a transport moves the bucket by."""
+        return [(s.owner, s.offset, s.numel) for s in self.segments]
 
     def segment_of(self, rank: int) -> Segment | None:
         return next((s for s in self.segments if s.owner == rank), None)

@@ -74,7 +74,8 @@ def start_reduce(
     averaging: Averaging,
     gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
 ) -> Pending:
-    """Pack the bucket's gradients (missing ones count as zeros) and start one reduce per owner present.
+    """Pack the bucket's gradients (missing ones count as zeros) and start their reduction onto the owners
+    present (one operation where the transport groups them, else one reduce per owner).
 
     The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
     flat buffer goes when the reduction is done), or None where this rank owns nothing in the bucket.
@@ -84,12 +85,11 @@ def start_reduce(
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    pending = [comm.start_reduce(flat[s.offset : s.offset + s.numel], s.owner) for s in bucket.segments]
+    pending = comm.start_reduce_segments(flat, bucket.spans)
     mine = bucket.segment_of(comm.rank)
 
     def finish() -> torch.Tensor | None:
-        for p in pending:
-            p.wait()
+        pending.wait()
         if mine is None:
             return None
         segment = flat[mine.offset : mine.offset + mine.numel]

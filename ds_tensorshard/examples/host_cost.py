@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Sequence
 from typing import NoReturn
 
 import torch
@@ -22,7 +23,7 @@ from ds_tensorshard.datapath.broadcast import Broadcast
 from ds_tensorshard.datapath.buckets import build_buckets
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
-from ds_tensorshard.transports.protocol import Pending
+from ds_tensorshard.transports.protocol import Pending, Span
 
 
 class InstantComm:
@@ -36,6 +37,12 @@ class InstantComm:
         return Pending(lambda: None)
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        return Pending(lambda: None)
+
+    def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        return Pending(lambda: None)
+
+    def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         return Pending(lambda: None)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:

@@ -3,15 +3,18 @@
 A transport offers two collectives on one contiguous tensor, both rooted at an owner rank and
 both non-blocking (they return a :class:`Pending`, so communication runs while the caller
 computes): ``start_reduce`` sums the tensor over the ranks into the owner's copy,
-``start_broadcast`` copies the owner's tensor to every rank. The data path calls them once per
-owner present in a bucket, so a segment of any size travels without padding. Ranks are ranks
-within the data-parallel group. :class:`~ds_tensorshard.transports.torch_comm.TorchComm` and
+``start_broadcast`` copies the owner's tensor to every rank. A bucket moves with their per-bucket
+forms, ``start_reduce_segments`` and ``start_broadcast_segments``: one operation per bucket and
+direction where the backend has one (MPI's ``Ireduce_scatter`` and ``Iallgatherv`` with per-rank
+counts, an NCCL group call), else one rooted collective per owner present; either way a segment of
+any size travels without padding. Ranks are ranks within the data-parallel group.
+:class:`~ds_tensorshard.transports.torch_comm.TorchComm` and
 :class:`~ds_tensorshard.transports.mpi_comm.MpiComm` satisfy :class:`Transport`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
 import torch
@@ -29,6 +32,21 @@ class Pending:
         return self._result
 
 
+Span = tuple[int, int, int]
+"""``(owner, offset, numel)``: the part of a bucket's flat buffer one rank owns. A bucket's spans are in
+ascending owner order and back to back from offset 0, a rank owning nothing there having none."""
+
+
+def all_of(pending: Sequence[Pending], *keep_alive: Any) -> Pending:
+    """One :class:`Pending` completing several."""
+
+    def finish() -> None:
+        for p in pending:
+            p.wait()
+
+    return Pending(finish, *keep_alive)
+
+
 class Transport(Protocol):
     """What the data path needs from a transport. Every wait gives up after ``timeout_s`` seconds with
     :class:`~ds_tensorshard.errors.CollectiveTimeout`; :meth:`fail` then ends the job its own way."""
@@ -44,6 +62,12 @@ class Transport(Protocol):
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
         """Start copying rank ``owner``'s ``tensor`` into every rank's ``tensor``."""
+
+    def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        """Start summing each span of ``flat`` over ranks into its owner's ``flat`` (the rest left undefined)."""
+
+    def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        """Start copying each span of its owner's ``flat`` into every rank's ``flat``."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks, in place, on every rank."""

@@ -17,7 +17,7 @@ from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocas
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import CheckpointError, CollectiveTimeout
 from ds_tensorshard.transports.deadline import wait_with_deadline
-from ds_tensorshard.transports.protocol import Pending
+from ds_tensorshard.transports.protocol import Pending, all_of
 
 
 class PeerComm:
@@ -41,6 +41,12 @@ class PeerComm:
         if owner != self.rank:
             tensor.fill_(self.broadcast_value)
         return Pending(lambda: None)
+
+    def start_reduce_segments(self, flat: torch.Tensor, spans) -> Pending:
+        return all_of([self.start_reduce(flat[offset : offset + numel], owner) for owner, offset, numel in spans])
+
+    def start_broadcast_segments(self, flat: torch.Tensor, spans) -> Pending:
+        return all_of([self.start_broadcast(flat[offset : offset + numel], owner) for owner, offset, numel in spans])
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         tensor.mul_(1.0 + self.peer_factor)

@@ -1,0 +1,214 @@
+"""Communication per step before launching: ds_tensorshard's collectives against stock ZeRO-2's, by the α-β model.
+
+Every collective costs ``hops x alpha + bytes x factor / B`` (the formulas are in ``docs/performance.md``):
+``alpha`` the latency of one hop, ``B`` the bus bandwidth as nccl-tests defines it (``doc/PERFORMANCE.md``),
+the NVLink figure while the world fits in one node, the network's beyond. Collectives are counted one after
+another, none overlapped with compute or with each other, except those one launch groups together.
+
+Three patterns per step, each with one scalar all-reduce for the gradient norm:
+
+- ``tensorshard_per_owner``: a reduce to each owner present in a bucket, then a broadcast from each (the torch
+  transport on gloo, which groups nothing);
+- ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (the mpi transport's
+  ``Ireduce_scatter``/``Iallgatherv``, the torch transport's NCCL group calls: one chain latency, the bucket's bytes);
+- ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
+  ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
+  ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition
+  boundaries and all-reduced in chunks that close once past ``reduce_bucket_size`` (``allreduce_and_scatter``);
+  after the step one ``all_gather_into_tensor`` of the whole flat group, padded to ``2 x world`` elements.
+  With ``use_multi_rank_bucket_allreduce`` false (``stock_zero2_reduce``) each partition present in a bucket
+  gets its own reduce instead (``allreduce_no_retain``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ds_tensorshard.datapath.buckets import Bucket
+
+STOCK_ALIGNMENT = 2  # stage_1_and_2.py: nccl_start_alignment_factor, the flat group padded to this x world size
+
+
+@dataclass(frozen=True)
+class Network:
+    """Per-hop latency, bus bandwidth across nodes, ranks per node and bus bandwidth within one."""
+
+    alpha_us: float
+    bus_gbps: float
+    intra_node_ranks: int = 8
+    intra_gbps: float = 450.0
+
+    def bandwidth(self, world_size: int) -> float:
+        """Bytes per second of the hardware bottleneck: NVLink within one node, the network beyond."""
+        return (self.intra_gbps if world_size <= self.intra_node_ranks else self.bus_gbps) * 1e9
+
+    @property
+    def alpha(self) -> float:
+        return self.alpha_us * 1e-6
+
+
+# 8 H100 per node, NVLink 4 (450 GB/s per direction per GPU) within, 8 ConnectX-7 NDR (8 x 400 Gb/s = 400 GB/s
+# per node) across; 9.6 us per network hop: NCCL's own tuning model (src/graph/tuning.cc, hwLat NET, Ring, Simple)
+DEFAULT_NETWORK = Network(alpha_us=9.6, bus_gbps=400.0, intra_node_ranks=8, intra_gbps=450.0)
+
+
+def parse_network(text: str) -> Network:
+    """``ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS]``; the last two default to 8 ranks and 450 GB/s."""
+    fields = text.split(",")
+    if len(fields) not in (2, 4):
+        raise ValueError(f"--network takes ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS], got {text!r}")
+    try:
+        alpha, bus = float(fields[0]), float(fields[1])
+        ranks, intra = (int(fields[2]), float(fields[3])) if len(fields) == 4 else (8, DEFAULT_NETWORK.intra_gbps)
+    except ValueError:
+        raise ValueError(f"--network takes numbers, got {text!r}") from None
+    if alpha < 0 or bus <= 0 or ranks < 1 or intra <= 0:
+        raise ValueError(f"--network needs alpha >= 0, bandwidths > 0 and at least one rank per node, got {text!r}")
+    return Network(alpha, bus, ranks, intra)
+
+
+# -- the α-β formulas (S: bytes, n: ranks), each as (latency, transfer) seconds; docs/performance.md states them --
+Time = tuple[float, float]
+
+
+def ring_all_reduce(size: float, n: int, net: Network) -> Time:
+    return (2 * (n - 1) * net.alpha, 2 * (n - 1) / n * size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
+
+
+def tree_all_reduce(size: float, n: int, net: Network) -> Time:
+    """NCCL's double binary tree: a reduce up and a broadcast down, 2 log2(n) hops, 2 S over the bus."""
+    return (2 * math.ceil(math.log2(n)) * net.alpha, 2 * size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
+
+
+def all_reduce(size: float, n: int, net: Network) -> Time:
+    """The faster of ring and tree, as NCCL's tuner picks."""
+    return min(ring_all_reduce(size, n, net), tree_all_reduce(size, n, net), key=sum)
+
+
+def all_gather(size: float, n: int, net: Network) -> Time:
+    """Ring all-gather (or reduce-scatter) of ``size`` bytes in all."""
+    return ((n - 1) * net.alpha, (n - 1) / n * size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
+
+
+def rooted(size: float, n: int, net: Network) -> Time:
+    """A reduce to, or broadcast from, one rank: a pipelined chain over the ring (NCCL has no tree for these)."""
+    return ((n - 1) * net.alpha, size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Collectives one rank launches per step and their predicted time, of which ``latency_s`` is hops."""
+
+    launches: int
+    seconds: float
+    latency_s: float
+
+
+def _cost(times: Sequence[Time]) -> Cost:
+    return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
+
+
+def _norm(n: int, net: Network) -> Time:
+    """The one scalar all-reduce of the gradient norm."""
+    return all_reduce(4, n, net)
+
+
+def per_owner_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
+    """Per bucket one reduce to each owner present, then one broadcast from each."""
+    per_owner = [rooted(s.numel * element_bytes, n, net) for b in buckets for s in b.segments]
+    return _cost([*per_owner, *per_owner, _norm(n, net)])
+
+
+def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
+    """One launch per bucket and direction: the bucket's rooted operations grouped, one chain's latency."""
+    per_bucket = [rooted(b.numel * element_bytes, n, net) for b in buckets]
+    return _cost([*per_bucket, *per_bucket, _norm(n, net)])
+
+
+def stock_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Stock's gradient buckets: indices of whole parameters in backward (reverse registration) order, closed
+    when the next would pass ``bucket_numel`` (``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for index in reversed(range(len(numels))):
+        if numels[index] == 0:
+            continue
+        if current and filled + numels[index] > bucket_numel:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(index)
+        filled += numels[index]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _chunks(sizes: Iterable[int], limit: int) -> list[int]:
+    """Stock's ``allreduce_and_scatter`` / ``allreduce_no_retain``: a chunk closes once its total passes ``limit``."""
+    chunks, total = [], 0
+    for size in sizes:
+        total += size
+        if total > limit:
+            chunks.append(total)
+            total = 0
+    return chunks + ([total] if total else [])
+
+
+def stock_zero2_cost(
+    numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int, multi_rank: bool = True
+) -> Cost:
+    """Stock ZeRO-2's collectives per step over one parameter group (``numels`` in registration order)."""
+    total = sum(numels)
+    padded = -(-total // (STOCK_ALIGNMENT * n)) * STOCK_ALIGNMENT * n
+    part = padded // n
+    offsets = [0]
+    for numel in numels:
+        offsets.append(offsets[-1] + numel)
+    times: list[Time] = []
+    for bucket in stock_buckets(numels, bucket_numel):
+        slices: list[tuple[int, int]] = []  # (partition, elements), consecutive same-partition ones merged
+        for index in bucket:
+            start, stop = offsets[index], offsets[index + 1]
+            for partition in range(start // part, (stop - 1) // part + 1):
+                numel = min(stop, (partition + 1) * part) - max(start, partition * part)
+                if slices and slices[-1][0] == partition:
+                    slices[-1] = (partition, slices[-1][1] + numel)
+                else:
+                    slices.append((partition, numel))
+        if multi_rank:
+            for chunk in _chunks((numel for _, numel in slices), bucket_numel):
+                times.append(all_reduce(chunk * element_bytes, n, net))
+        else:
+            by_partition: dict[int, list[int]] = {}
+            for partition, numel in slices:
+                by_partition.setdefault(partition, []).append(numel)
+            for sizes in by_partition.values():
+                for chunk in _chunks(sizes, bucket_numel):
+                    times.append(rooted(chunk * element_bytes, n, net))
+    if n > 1:
+        times.append(all_gather(padded * element_bytes, n, net))
+    return _cost([*times, _norm(n, net)])
+
+
+def cost_report(
+    buckets: Sequence[Bucket], numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int
+) -> dict[str, Any]:
+    """The three patterns (and stock with ``use_multi_rank_bucket_allreduce`` false) with the ratios to stock."""
+    per_owner = per_owner_cost(buckets, n, net, element_bytes)
+    grouped = tensorshard_grouped_cost(buckets, n, net, element_bytes)
+    stock = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes)
+    stock_reduce = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes, multi_rank=False)
+    return {
+        "network": asdict(net),
+        "element_bytes": element_bytes,
+        "tensorshard_per_owner": asdict(per_owner),
+        "tensorshard_grouped": asdict(grouped),
+        "stock_zero2": asdict(stock),
+        "stock_zero2_reduce": asdict(stock_reduce),
+        "per_owner_time_ratio": per_owner.seconds / stock.seconds if stock.seconds else 1.0,
+        "grouped_time_ratio": grouped.seconds / stock.seconds if stock.seconds else 1.0,
+    }

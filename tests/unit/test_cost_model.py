@@ -1,0 +1,95 @@
+"""The α-β cost model against hand-computed cases: the formulas, stock ZeRO-2's buckets and chunks, both ways."""
+
+import json
+
+import pytest
+
+from ds_tensorshard.commands.cli import main as cli_main
+from ds_tensorshard.commands.cost_model import (
+    Network,
+    all_gather,
+    all_reduce,
+    parse_network,
+    per_owner_cost,
+    rooted,
+    stock_buckets,
+    stock_zero2_cost,
+    tensorshard_grouped_cost,
+)
+from ds_tensorshard.commands.plan_report import meta_buckets
+from ds_tensorshard.datapath.plan import plan_ownership
+
+NET = Network(alpha_us=10.0, bus_gbps=100.0, intra_node_ranks=4, intra_gbps=200.0)
+
+
+def test_formulas_by_hand():
+    # 8 ranks span two 4-rank nodes: the network's 100 GB/s; 4 ranks fit in one: 200 GB/s
+    assert rooted(1e9, 8, NET) == pytest.approx((7 * 10e-6, 1e9 / 100e9))
+    assert rooted(1e9, 4, NET) == pytest.approx((3 * 10e-6, 1e9 / 200e9))
+    # large: the ring's 2(n-1)/n S/B beats the tree's 2 S/B; small: the tree's 2 log2(n) hops beat 2(n-1)
+    assert all_reduce(1e9, 8, NET) == pytest.approx((14 * 10e-6, 2 * 7 / 8 * 1e9 / 100e9))
+    assert all_reduce(4, 8, NET) == pytest.approx((6 * 10e-6, 2 * 4 / 100e9))
+    assert all_gather(8e9, 8, NET) == pytest.approx((7 * 10e-6, 7 / 8 * 8e9 / 100e9))
+    assert rooted(1e9, 1, NET) == (0.0, 0.0)
+
+
+def test_network_argument():
+    assert parse_network("5,50") == Network(5.0, 50.0, 8, 450.0)
+    assert parse_network("5,50,4,300") == Network(5.0, 50.0, 4, 300.0)
+    for bad in ("5", "5,x", "5,0", "5,50,0,300"):
+        with pytest.raises(ValueError, match="--network"):
+            parse_network(bad)
+
+
+def test_stock_buckets_and_chunks_follow_stage_1_and_2():
+    # backward order is reverse registration; a bucket closes when the next parameter would pass the size,
+    # and a parameter larger than the size is a bucket of its own
+    assert stock_buckets([3, 5, 10, 2], 6) == [[3], [2], [1], [0]]
+    assert stock_buckets([1, 2, 3], 6) == [[2, 1, 0]]
+
+
+def test_stock_zero2_by_hand():
+    # two tensors of 4 elements, 2 ranks, buckets of 4: one bucket each, one all-reduce each (16 bytes in fp32),
+    # then one all-gather of the flat group (8 elements, already a multiple of 2 x 2) and the norm's all-reduce
+    cost = stock_zero2_cost([4, 4], 2, 4, NET, element_bytes=4)
+    reduce_, gather, norm = all_reduce(16, 2, NET), all_gather(32, 2, NET), all_reduce(4, 2, NET)
+    assert cost.launches == 4
+    assert cost.seconds == pytest.approx(2 * sum(reduce_) + sum(gather) + sum(norm))
+    assert cost.latency_s == pytest.approx(2 * reduce_[0] + gather[0] + norm[0])
+    # [6, 2] in one bucket of 8 spans both partitions (4 elements each): one all-reduce by default, one reduce
+    # per partition with use_multi_rank_bucket_allreduce false
+    assert stock_zero2_cost([6, 2], 2, 8, NET, 4).launches == 1 + 1 + 1
+    by_partition = stock_zero2_cost([6, 2], 2, 8, NET, 4, multi_rank=False)
+    assert by_partition.launches == 2 + 1 + 1
+    expected = sum(rooted(16, 2, NET)) * 2 + sum(all_gather(32, 2, NET)) + sum(all_reduce(4, 2, NET))
+    assert by_partition.seconds == pytest.approx(expected)
+
+
+def test_tensorshard_by_hand():
+    # the planning docstring's example: a: 6, b: 4, c: 3, d: 3 elements whole on 2 ranks (a, d on 0; b, c on 1);
+    # backward order d, c, b, a in buckets of 8: [d c | b(2)] owners {0, 1}, [b(2) a] owners {0, 1}
+    shapes = [("a", (6,)), ("b", (4,)), ("c", (3,)), ("d", (3,))]
+    plan = plan_ownership(shapes, 2, split="never")
+    buckets = meta_buckets(shapes, plan, 8)
+    assert [[s.owner for s in b.segments] for b in buckets] == [[0, 1], [0, 1]]
+    sizes = [s.numel * 2 for b in buckets for s in b.segments]
+    today = per_owner_cost(buckets, 2, NET, element_bytes=2)
+    assert today.launches == 2 * 4 + 1
+    assert today.seconds == pytest.approx(
+        2 * sum(sum(rooted(size, 2, NET)) for size in sizes) + sum(all_reduce(4, 2, NET))
+    )
+    grouped = tensorshard_grouped_cost(buckets, 2, NET, element_bytes=2)
+    assert grouped.launches == 2 * 2 + 1
+    assert grouped.latency_s == pytest.approx(4 * 10e-6 + all_reduce(4, 2, NET)[0])
+
+
+def test_plan_reports_the_communication_both_ways(capsys):
+    assert cli_main(["plan", "--world-size", "8", "--network", "9.6,400", "--json"]) == 0
+    comm = json.loads(capsys.readouterr().out)[0]["communication"]
+    assert comm["network"] == {"alpha_us": 9.6, "bus_gbps": 400.0, "intra_node_ranks": 8, "intra_gbps": 450.0}
+    assert comm["tensorshard_grouped"]["launches"] == 2 * 32 + 1  # GPT-2 small: 32 buckets
+    assert comm["tensorshard_per_owner"]["launches"] > comm["tensorshard_grouped"]["launches"]
+    per_owner = comm["tensorshard_per_owner"]["seconds"]
+    assert comm["per_owner_time_ratio"] == pytest.approx(per_owner / comm["stock_zero2"]["seconds"])
+    assert cli_main(["plan", "--world-size", "8", "--network", "fast"]) == 2
+    assert "--network takes" in capsys.readouterr().err
