@@ -33,8 +33,7 @@ class TensorShardConfig(BaseModel):
     comm_backend: Literal["torch", "mpi"] = "torch"
     """Transport for the plugin's collectives: ``"torch"`` = ``deepspeed.comm`` (gloo on CPU, NCCL on GPU);
     ``"mpi"`` = mpi4py. A bucket moves with one reduce-scatter and one all-gather of the owners' parts on mpi,
-    one grouped launch per direction on NCCL, one reduce to and one broadcast from each owner on gloo: nothing
-    is padded."""
+    one reduce to and one broadcast from each owner on torch: nothing is padded."""
 
     split_tensors: Literal["auto", "never"] = "auto"
     """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/setup_env.sh
 source launch/process_group.sh
-run_group python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests "$@"
+run_group python -m pytest -q -p no:cacheprovider -n 2 tests "$@"

@@ -86,15 +86,25 @@ def saved(single_rank_world, tmp_path):
 
 # The fast tier is `pytest -m "not multiprocess"`: tests/multiprocess/ holds every test that starts other
 # processes (ranks, launchers, the command line), tests/unit/ the in-process ones.
-# launch/test.sh runs two pytest-xdist workers (`-n 2 --dist loadgroup`): a test module runs whole on one of
-# them, so that its module fixtures run once, and test_mpi with test_equivalence, whose session runs it shares.
-SHARED_WORKER = {"test_mpi": "test_equivalence"}
+# launch/test.sh runs two pytest-xdist workers (`-n 2`): a test module runs whole on one of them, so that its
+# module fixtures run once, and test_mpi with test_equivalence, whose session runs it shares.
+SHARED_WORKER = {"tests/multiprocess/test_mpi.py": "tests/multiprocess/test_equivalence.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByModule(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SHARED_WORKER.get(module, module)
+
+    return ByModule(config, log)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if "multiprocess" in item.path.parts:
             item.add_marker(pytest.mark.multiprocess)
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.stem, item.path.stem)))
     items.sort(key=lambda item: "multiprocess" not in item.path.parts)  # the long modules first, the quick to fill in

@@ -146,8 +146,14 @@ def plan_report(
 def _communication_lines(comm: dict[str, Any]) -> list[str]:
     net = comm["network"]
     rows = [
-        ("ds_tensorshard, a reduce and a broadcast per owner in a bucket (gloo)", comm["tensorshard_per_owner"]),
-        ("ds_tensorshard, one launch per bucket and direction (mpi, NCCL)", comm["tensorshard_grouped"]),
+        (
+            "ds_tensorshard, a reduce and a broadcast per owner in a bucket (torch transport)",
+            comm["tensorshard_per_owner"],
+        ),
+        (
+            "ds_tensorshard, one launch per bucket and direction (mpi; NCCL grouped, not built)",
+            comm["tensorshard_grouped"],
+        ),
         ("stock ZeRO-2 (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
     ]
     lines = [
