@@ -21,6 +21,7 @@ export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREAD
 # JIT-built ops (FusedAdam, the shm comm op) in this venv's own cache: another venv never rebuilds them
 # under our feet, and a build lock left by a killed process stays ours (ds-tensorshard report names it)
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}"
-# DeepSpeed JIT-builds FusedAdam on first use (about a minute on 2 cores); do it once, up front.
-python -c "import torch; from deepspeed.ops.adam import FusedAdam; FusedAdam([torch.nn.Parameter(torch.zeros(1))])" \
-    2>&1 | grep -v -i "warn" | tail -n 2 || true
+# DeepSpeed JIT-builds FusedAdam and (for ZeRO-Offload) DeepSpeedCPUAdam on first use (about a minute each on
+# 2 cores); do it once, up front.
+python -c "import torch; from deepspeed.ops.adam import FusedAdam, DeepSpeedCPUAdam
+p = [torch.nn.Parameter(torch.zeros(1))]; FusedAdam(p); DeepSpeedCPUAdam(p)" 2>&1 | grep -v -i "warn" | tail -n 2 || true

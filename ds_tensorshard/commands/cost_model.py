@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.errors import PlanError
 
 STOCK_ALIGNMENT = 2  # stage_1_and_2.py: nccl_start_alignment_factor, the flat group padded to this x world size
 
@@ -59,14 +60,14 @@ def parse_network(text: str) -> Network:
     """``ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS]``; the last two default to 8 ranks and 450 GB/s."""
     fields = text.split(",")
     if len(fields) not in (2, 4):
-        raise ValueError(f"--network takes ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS], got {text!r}")
+        raise PlanError(f"--network takes ALPHA_US,BUS_GBPS[,INTRA_NODE_RANKS,INTRA_GBPS], got {text!r}")
     try:
         alpha, bus = float(fields[0]), float(fields[1])
         ranks, intra = (int(fields[2]), float(fields[3])) if len(fields) == 4 else (8, DEFAULT_NETWORK.intra_gbps)
     except ValueError:
-        raise ValueError(f"--network takes numbers, got {text!r}") from None
+        raise PlanError(f"--network takes numbers, got {text!r}") from None
     if alpha < 0 or bus <= 0 or ranks < 1 or intra <= 0:
-        raise ValueError(f"--network needs alpha >= 0, bandwidths > 0 and at least one rank per node, got {text!r}")
+        raise PlanError(f"--network needs alpha >= 0, bandwidths > 0 and at least one rank per node, got {text!r}")
     return Network(alpha, bus, ranks, intra)
 
 
