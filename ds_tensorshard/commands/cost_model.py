@@ -9,8 +9,9 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 
 - ``tensorshard_per_owner``: a reduce to each owner present in a bucket, then a broadcast from each (the torch
   transport on gloo, which groups nothing);
-- ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (the mpi transport's
-  ``Ireduce_scatter``/``Iallgatherv``, the torch transport's NCCL group calls: one chain latency, the bucket's bytes);
+- ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (a reduce-scatter
+  and an all-gather with per-rank counts, or NCCL group calls: one chain latency, the bucket's bytes; built so
+  far only for the reduction, the mpi transport's ``Ireduce_scatter``);
 - ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
   ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
   ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition

@@ -1,9 +1,9 @@
 """``"comm_backend": "mpi"``: the data path's collectives through mpi4py.
 
-A bucket moves with one ``Ireduce_scatter`` (per-rank counts: each owner's segment, zero for a rank
-owning nothing there) and one ``Iallgatherv`` (the same counts, in place; an ``Ibcast`` where the
-bucket has one owner), whatever the number of owners and the world size; both are non-blocking, so
-communication overlaps computation; nothing is padded. CPU tensors are handed to MPI as numpy views (no copy).
+A bucket is reduced with one ``Ireduce_scatter`` (per-rank counts: each owner's segment, zero for a rank
+owning nothing there), whatever the number of owners and the world size, and each owner's segment comes
+back with one ``Ibcast``; both are non-blocking, so communication overlaps computation; nothing is padded.
+CPU tensors are handed to MPI as numpy views (no copy).
 bf16/fp16 travel as raw 16-bit words and are summed by a user-defined MPI op (MPI has no bf16
 sum): each pairwise addition of the reduction is done in fp32 and rounded back to 16 bits, the
 precision of NCCL's 16-bit reductions that stock ZeRO uses. CUDA tensors go to MPI directly where
@@ -23,7 +23,7 @@ from deepspeed.utils import logger
 
 from ds_tensorshard.errors import CollectiveTimeout, TensorShardConfigError
 from ds_tensorshard.transports.deadline import wait_with_deadline
-from ds_tensorshard.transports.protocol import Pending, Span
+from ds_tensorshard.transports.protocol import Pending, Span, all_of
 
 _HALF = (torch.float16, torch.bfloat16)
 _sum16_ops: dict = {}
@@ -181,16 +181,9 @@ class MpiComm:
         return Pending(finish, host, mine)
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        if len(spans) == 1:  # one owner: MPICH's Ibcast moves it several times faster than its Iallgatherv
-            owner, offset, numel = spans[0]
-            return self._ibcast(flat[offset : offset + numel], owner)
-        MPI = _mpi()
-        host = self._host(flat)
-        counts, offsets = self._counts(spans)
-        buf, mpi_type = self._spec(host)
-        request = self.mpi.Iallgatherv(MPI.IN_PLACE, [buf, counts, offsets, mpi_type])
-        what = f"all-gather from ranks {[owner for owner, _, _ in spans]}"
-        return Pending(self._completion(request, what, host, flat, True), host)
+        """One Ibcast from each owner: MPICH's Iallgatherv of a bucket took 8x the broadcasts' time in the
+        benchmark (85.9M-parameter GPT, 2 ranks: 1.61 s against 0.12-0.20 s of gather per step)."""
+        return all_of([self._ibcast(flat[offset : offset + numel], owner) for owner, offset, numel in spans], flat)
 
     def _completion(
         self, request: Any, what: str, host: torch.Tensor, tensor: torch.Tensor, received: bool

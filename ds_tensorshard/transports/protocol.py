@@ -5,8 +5,8 @@ both non-blocking (they return a :class:`Pending`, so communication runs while t
 computes): ``start_reduce`` sums the tensor over the ranks into the owner's copy,
 ``start_broadcast`` copies the owner's tensor to every rank. A bucket moves with their per-bucket
 forms, ``start_reduce_segments`` and ``start_broadcast_segments``: one operation per bucket and
-direction where the backend has one (MPI's ``Ireduce_scatter`` and ``Iallgatherv`` with per-rank
-counts, an NCCL group call), else one rooted collective per owner present; either way a segment of
+direction where the backend has one that pays (MPI's ``Ireduce_scatter`` with per-rank counts), else one
+rooted collective per owner present; either way a segment of
 any size travels without padding. Ranks are ranks within the data-parallel group.
 :class:`~ds_tensorshard.transports.torch_comm.TorchComm` and
 :class:`~ds_tensorshard.transports.mpi_comm.MpiComm` satisfy :class:`Transport`.
