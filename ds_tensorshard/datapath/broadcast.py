@@ -15,9 +15,9 @@ from ds_tensorshard.transports.protocol import Pending, Transport
 
 
 class Broadcast:
-    """Every owner's segment of a bucket to every rank (one operation where the transport groups them, else
-    one broadcast per owner present), at most ``IN_FLIGHT`` buckets under way, the first ones started on
-    creation; :meth:`finish` writes every owner's updated pieces into every rank's model."""
+    """Every owner's segment of a bucket to every rank (one broadcast per owner present), at most
+    ``IN_FLIGHT`` buckets under way, the first ones started on creation; :meth:`finish` writes every owner's
+    updated pieces into every rank's model."""
 
     def __init__(
         self,

@@ -7,8 +7,8 @@ bucket holds gradients that backward produces at about the same time, and a larg
 in pieces over several buckets while its owner stays one rank. Inside a bucket the pieces are
 grouped by owner, owners ascending, back to back: segment ``r`` is what rank ``r`` receives
 reduced and later sends back updated. Segments have whatever size ownership gives them; the
-transports move them as one operation per bucket and direction where the backend has one (else one
-collective per owner), so nothing is padded. A bucket is packed into a
+transports reduce them with one operation per bucket where the backend has one (mpi's reduce-scatter;
+else one reduce per owner) and broadcast them back one per owner, so nothing is padded. A bucket is packed into a
 flat buffer only while it is in flight.
 
 Worked example: tensors ``a`` (6 elements, rank 1), ``b`` (4, rank 0), ``c`` (5, rank 1) in
