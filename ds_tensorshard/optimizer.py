@@ -116,6 +116,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self._decision: Decision | None = None  # prepare_step's, for step() to apply
         self._defer_broadcast = False  # prepare_step(defer_broadcast=True): step() leaves its broadcasts running
         self.pending_broadcast: Broadcast | None = None  # the broadcasts a deferred step() started
+        self.last_update_at: tuple[int, int] | None = None  # ZeRO-Offload's pipelined updates (step())
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
         attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
@@ -314,6 +315,12 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             return
         if decision.divisor is not None:
             self.shard.scale_grads(1.0 / decision.divisor)
+        if self.host is not None and not self._defer_broadcast:  # ZeRO-Offload: updates pipelined with broadcasts
+            broadcast_buckets(self.buckets, self.comm, self.reducer.describe, self._update_before_broadcast)
+            self.shard.step()  # any owned tensor in no bucket
+            self.shard.drop_grads()
+            self.phase = Phase.ACCUMULATING
+            return
         self.shard.step()
         self.shard.drop_grads()
         if self._defer_broadcast:
@@ -322,6 +329,15 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         else:
             broadcast_buckets(self.buckets, self.comm, self.reducer.describe)
             self.phase = Phase.ACCUMULATING
+
+    def _update_before_broadcast(self, sent: int, bucket: Bucket) -> None:
+        """ZeRO-Offload, after the norm: this rank's tensors in ``bucket`` not yet updated are updated on the host
+        just before the bucket is broadcast, while the ``sent`` buckets before it are still under way (their
+        broadcast started). ``last_update_at`` keeps (``sent``, buckets) at this rank's last update."""
+        todo = self.shard.not_updated_in(bucket, self.comm.rank)
+        if todo:
+            self.last_update_at = (sent, len(self.buckets))
+        self.shard.update(todo)
 
     def finish_broadcast(self) -> None:
         """Complete the broadcasts a deferred step() started (see :func:`ds_tensorshard.step_many`)."""

@@ -17,21 +17,25 @@ from ds_tensorshard.transports.protocol import Pending, Transport
 class Broadcast:
     """Every owner's segment of a bucket to every rank (one broadcast per owner present), at most
     ``IN_FLIGHT`` buckets under way, the first ones started on creation; :meth:`finish` writes every owner's
-    updated pieces into every rank's model."""
+    updated pieces into every rank's model. ``update(index, bucket)`` (ZeRO-Offload) updates this rank's tensors
+    in a bucket just before the bucket is sent, so that later buckets are updated while earlier ones are broadcast."""
 
     def __init__(
         self,
         buckets: list[Bucket],
         comm: Transport,
         describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
+        update: Callable[[int, Bucket], None] | None = None,
     ) -> None:
-        self.todo, self.comm, self.describe = deque(enumerate(buckets)), comm, describe
+        self.todo, self.comm, self.describe, self.update = deque(enumerate(buckets)), comm, describe, update
         self.in_flight: deque[tuple[int, Bucket, torch.Tensor, Pending]] = deque()
         self._fill()
 
     def _fill(self) -> None:
         while self.todo and len(self.in_flight) < IN_FLIGHT:
             index, bucket = self.todo.popleft()
+            if self.update is not None:
+                self.update(index, bucket)  # index: the buckets sent before this one
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             mine = bucket.segment_of(self.comm.rank)
             if mine is not None:
@@ -55,6 +59,8 @@ def broadcast_buckets(
     buckets: list[Bucket],
     comm: Transport,
     describe: Callable[[int, Bucket, str], str] = lambda i, b, kind: f"{kind} of bucket {i}",
+    update: Callable[[int, Bucket], None] | None = None,
 ) -> None:
-    """Every rank receives every owner's updated tensors, two buckets in flight at a time."""
-    Broadcast(buckets, comm, describe).finish()
+    """Every rank receives every owner's updated tensors, two buckets in flight at a time (each bucket's
+    ``update`` first, where given)."""
+    Broadcast(buckets, comm, describe, update).finish()

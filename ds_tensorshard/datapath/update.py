@@ -133,15 +133,33 @@ class OwnedShard:
         if early is not None:
             for param in todo:
                 self._gradient_to_master(param)
-        if not self.stepped and early is None:
+            self.update(todo)
+            return
+        if not self.stepped:
             self.optimizer.step()
-        else:
+        elif todo:
             self._step_only(todo)
-        if early is None:
-            self._align_step_counts()
-        else:
-            self.stepped.update(todo)
-        for param in todo:
+        self._align_step_counts()
+        self._write_back(todo)
+
+    @torch.no_grad()
+    def update(self, params: list[torch.nn.Parameter]) -> None:
+        """The inner optimizer on the masters of ``params`` alone (their gradients in place), each written into
+        the model's tensor and counted as updated in this step. Exact only for an inner optimizer that counts
+        steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are."""
+        if params:
+            self._step_only(params)
+            self.stepped.update(params)
+            self._write_back(params)
+
+    def not_updated_in(self, bucket: Bucket, rank: int) -> list[torch.nn.Parameter]:
+        """This ``rank``'s tensors with a piece in ``bucket`` that this step has not updated yet."""
+        mine = bucket.segment_of(rank)
+        params = () if mine is None else dict.fromkeys(piece.param for piece in mine.pieces)
+        return [p for p in params if p not in self.stepped]
+
+    def _write_back(self, params: list[torch.nn.Parameter]) -> None:
+        for param in params:
             master, own = self.masters[param], self._own(param)
             if self.host is not None:
                 self.host.send(master, own)

@@ -111,7 +111,8 @@ def assert_offload_matches_stock_offload(load, n: int, cases: list[str]) -> None
     """Each ds_tensorshard ZeRO-Offload case against stock ZeRO-Offload of the same config (DeepSpeedCPUAdam in
     both): at 2 ranks losses and parameters bit-identical, grad norms within 2 fp32 ulps (the norm's partials
     cover other elements than stock's); at 3 ranks within compare.py's tolerance (another summation order). Each
-    step moves each owned gradient to the host once per reduction and each updated tensor back once."""
+    step moves each owned gradient to the host once per reduction and each updated tensor back once; a rank's
+    last update of a step runs after earlier buckets' broadcasts started (updates pipelined behind them)."""
     for case in (c for c in cases if ":ts" in c):
         dtype, mode, stage = case.split(":")
         reference = f"{dtype}:stock-offload:{stage}"
@@ -133,6 +134,8 @@ def assert_offload_matches_stock_offload(load, n: int, cases: list[str]) -> None
             crossed = {"to_host": owned * size * (1 + reductions), "to_device": owned * size * STEPS}
             assert ours["host_traffic"] == crossed, case  # the masters' first copy, then every step's
             assert ours["state_numel"] == 2 * owned and ours["master_numel"] == owned
+            sent, buckets = ours["last_update_at"]  # clipping on: the norm first, then updates behind broadcasts
+            assert buckets >= 3 and 1 <= sent < buckets, (case, rank, ours["last_update_at"])
 
 
 def test_offload_matches_stock_offload_at_two_ranks(equivalence_runs):
