@@ -146,3 +146,19 @@ def test_each_docs_page_has_one_title_first(path):
     assert lines and lines[0].startswith("# "), f"{os.path.relpath(path, ROOT)} does not start with '# Title'"
     titles = [line for line in lines if line.startswith("# ")]
     assert len(titles) == 1, f"{os.path.relpath(path, ROOT)} has {len(titles)} '# ' titles"
+
+
+def test_readme_layout_names_every_module():
+    """The README's Layout table names each module of the package (bench/ and examples/ as folders): a module
+    added without a row fails here. A row naming several modules lists the later ones by file name."""
+    layout = read(README).split("## Layout", 1)[1].split("\n## ", 1)[0]
+    package = os.path.join(ROOT, "ds_tensorshard")
+    missing = []
+    for folder, _, files in os.walk(package):
+        relative = os.path.relpath(folder, package)
+        if relative.split(os.sep)[0] in ("bench", "examples", "__pycache__"):
+            continue
+        for name in files:
+            if name.endswith(".py") and name != "__init__.py" and f"{name}`" not in layout:
+                missing.append(os.path.normpath(os.path.join(relative, name)))
+    assert not missing, f"README.md's Layout table has no row for: {', '.join(sorted(missing))}"
