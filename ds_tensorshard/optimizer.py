@@ -3,7 +3,9 @@
 It runs the data path (``ds_tensorshard.datapath``), one module a phase: ``placement``/``plan`` (tensors ->
 balanced sets, each owned whole or in dim-0 blocks) -> ``intake`` (the gradient hooks) -> ``buckets`` and
 ``reduce`` (the mean onto each owner) -> ``norm`` (global norm, overflow, clip) -> ``update`` (the inner
-optimizer on owned fp32 masters) -> ``broadcast`` (owners send the updated pieces back).
+optimizer on owned fp32 masters) -> ``broadcast`` (owners send the updated pieces back). Each process group
+that tensors are averaged over is a ``domain`` with its own transport, plan, buckets and reducer: the
+data-parallel group's for dense tensors, and one per expert group for the expert tensors of MoE layers.
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
                 f"{describe_zero_mapping(engine._config._param_dict)}"
             )
+            for domain in (d for d in self.domains.values() if d.expert):
+                logger.info(
+                    f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
+                    f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
+                    f"{domain.plan.imbalance:.4f}"
+                )
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
         self._step_of = lambda: engine.global_steps
@@ -206,9 +214,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 self._build_buckets(domain, list(reversed(domain.params))),
                 domain.comm,
                 averaging,
-                self.early.deliver
-                if self.early
-                else lambda bucket, segment, rank=domain.comm.rank: self.shard.accept(bucket, segment, rank),
+                self.early.deliver if self.early else functools.partial(self._accept, domain.comm.rank),
                 domain.params,
                 self.names.__getitem__,
                 functools.partial(self._build_buckets, domain),
@@ -220,6 +226,10 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.reducer = self.domains[DENSE].reducer
         self.intake.to_reducer = lambda param: self.domain_of[param].reducer.gradient_ready(param)
         self.intake.check_caller = self._check_backward_caller
+
+    def _accept(self, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
+        """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
+        self.shard.accept(bucket, segment, rank)
 
     def _build_buckets(self, domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
         buckets = build_buckets(backward_order, domain.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)

@@ -9,6 +9,7 @@ the gradients are unscaled and clipped with the loss scale *after* its update, a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ def expert_norm_averaging(
     def average(group_norms: torch.Tensor) -> None:
         for index, comm in experts:
             scaled = group_norms[index : index + 1] / comm.world_size
-            wait_or_fail(lambda scaled=scaled, comm=comm: comm.all_reduce_sum(scaled), comm, describe)
+            wait_or_fail(functools.partial(comm.all_reduce_sum, scaled), comm, describe)
             group_norms[index] = scaled[0]
 
     return average

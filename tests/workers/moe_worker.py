@@ -4,8 +4,9 @@ several configs in one process group.
 Usage (per rank, with RANK/WORLD_SIZE/MASTER_* set): python moe_worker.py OUT CASE [CASE...]
 CASE = DTYPE:MODE:STAGE:EXPERTS:EP:K, e.g. fp32:stock:2:2:2:1 (2 experts, expert-parallel size 2, top-1
 gating) or bf16:ts:1:2:1:2. MODE ``ts`` enables ds_tensorshard, ``tsmpi`` with the mpi comm backend. The
-param groups are ``split_params_into_different_moe_groups_for_optimizer``'s. Writes OUT/CASE.rankR.pt with
-the per-micro-step losses, the grad norms, the final parameters and (``ts``) the plans' element counts.
+param groups are ``split_params_into_different_moe_groups_for_optimizer``'s. Writes OUT/CASE.rankR.pt with the
+per-micro-step losses, the grad norms, the final parameters, their fp32 masters (``safe_get_full_fp32_param``)
+and (ds_tensorshard) each domain's plan: elements per rank.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
 from tests.workers.equivalence_worker import ds_config
 
-VOCAB, WIDTH, SEQ, MICRO_BATCH, GAS, STEPS = 64, 16, 8, 2, 2, 5
+VOCAB, WIDTH, SEQ, MICRO_BATCH, GAS, STEPS = 64, 32, 8, 2, 2, 5
 
 
 class MoEModel(nn.Module):
@@ -82,6 +84,7 @@ def run_case(case: str, out_dir: str) -> None:
         "norms": norms,
         "skipped_steps": engine.skipped_steps,
         "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+        "masters": {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()},
         "optimizer_class": type(optimizer).__name__,
     }
     if mode != "stock":
