@@ -21,7 +21,7 @@ from tests.helpers.ranks import run_ranks
 
 WORKER = os.path.join(WORKERS, "moe_worker.py")
 EXPERT = "moe.deepspeed_moe.experts."
-DEFAULT = {2: ["fp32:ts:2:2:1:1", "bf16:ts:1:2:2:2"], 4: ["fp32:ts:2:2:2:1"]}
+DEFAULT = {2: ["fp32:ts:2:2:2:2", "bf16:ts:1:2:1:1"], 4: ["fp32:ts:2:2:2:1"]}  # ~35 s; the rest: MATRIX
 MATRIX = {
     2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
     4: [f"{d}:ts:{s}:2:2:{k}" for d in ("fp32", "bf16") for s in (1, 2) for k in (1, 2)],
@@ -32,9 +32,41 @@ def stock_of(case: str) -> str:
     return case.replace(":tsmpi:", ":stock:").replace(":ts:", ":stock:")
 
 
+def reducing_stock_of(case: str) -> str:
+    return stock_of(case).replace(":stock:", ":stock-reduce:")
+
+
+def spread_measured(world: int, case: str) -> bool:
+    """bf16 at 4 ranks: the sums round in another order than stock's, and top-k routing turns that into
+    differences of stock's own size; there stock's spread is measured (its second reduction pattern)."""
+    return world == 4 and case.startswith("bf16:")
+
+
+def references(world: int, cases: list[str]) -> list[str]:
+    return [*map(stock_of, cases), *(reducing_stock_of(c) for c in cases if spread_measured(world, c))]
+
+
 def run(out, world: int, cases: list[str]):
-    run_ranks([WORKER, str(out), *cases, *map(stock_of, cases)], world)
+    run_ranks([WORKER, str(out), *cases, *references(world, cases)], world)
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
+
+def largest(a: dict, b: dict) -> tuple[float, float]:
+    """The largest loss and parameter differences between two runs."""
+    loss = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+    return loss, max((a["params"][n] - v).abs().max().item() for n, v in b["params"].items())
+
+
+def assert_within_stocks_spread(ours: dict, stock: dict, reducing: dict, where: str) -> None:
+    """As close to stock as stock's two reduction patterns (use_multi_rank_bucket_allreduce true and false) are
+    to each other, within 2x (ours is a third summation order), and never looser than the bf16 tolerance."""
+    tol = TOLERANCE["bf16"]
+    torch.testing.assert_close(
+        torch.tensor(ours["norms"]), torch.tensor(stock["norms"]), rtol=tol["norm"], atol=0, msg=where
+    )
+    (loss, param), (stock_loss, stock_param) = largest(ours, stock), largest(reducing, stock)
+    assert loss <= max(tol["loss"], 2 * stock_loss), f"{where}: losses {loss:.2e}, stock's spread {stock_loss:.2e}"
+    assert param <= max(tol["atol"], 2 * stock_param), f"{where}: params {param:.2e}, stock's spread {stock_param:.2e}"
 
 
 def assert_matches_stock(load, world: int, case: str) -> None:
@@ -45,10 +77,13 @@ def assert_matches_stock(load, world: int, case: str) -> None:
         ours, stock = load(case, rank), load(stock_of(case), rank)
         where = f"{case} rank {rank}"
         assert (ours["optimizer_class"], stock["optimizer_class"]) == ("TensorShardOptimizer", "DeepSpeedZeroOptimizer")
-        assert_run_matches(ours, stock, dtype, where)
-        for name, master in stock["masters"].items():  # safe_get_full_fp32_param, expert tensors included
-            tol = TOLERANCE[dtype]
-            torch.testing.assert_close(ours["masters"][name], master, rtol=tol["rtol"], atol=tol["atol"], msg=where)
+        if spread_measured(world, case):
+            assert_within_stocks_spread(ours, stock, load(reducing_stock_of(case), rank), where)
+        else:
+            assert_run_matches(ours, stock, dtype, where)
+            for name, master in stock["masters"].items():  # safe_get_full_fp32_param, expert tensors included
+                tol = TOLERANCE[dtype]
+                torch.testing.assert_close(ours["masters"][name], master, rtol=tol["rtol"], atol=tol["atol"], msg=where)
         if world == 2:  # the same sums in the same order as stock's: exact
             assert ours["losses"] == stock["losses"], where
             assert all(torch.equal(ours["params"][n], v) for n, v in stock["params"].items()), where
@@ -83,3 +118,14 @@ def test_moe_matrix_trains_as_stock(tmp_path, world):
     load = run(tmp_path, world, MATRIX[world])
     for case in MATRIX[world]:
         assert_matches_stock(load, world, case)
+
+
+@pytest.mark.extended
+def test_moe_on_the_mpi_transport_trains_as_stock(tmp_path):
+    """The mpi transport (one MPI communicator per expert-data-parallel group), 4 ranks under mpiexec."""
+    from tests.multiprocess.test_mpi import mpiexec
+
+    cases = ["fp32:tsmpi:2:2:2:1", "bf16:tsmpi:1:2:2:2"]
+    mpiexec([WORKER, str(tmp_path), *cases, *references(4, cases)], 4)
+    for case in cases:
+        assert_matches_stock(lambda c, rank: torch.load(tmp_path / f"{c.replace(':', '_')}.rank{rank}.pt"), 4, case)

@@ -3,7 +3,8 @@ several configs in one process group.
 
 Usage (per rank, with RANK/WORLD_SIZE/MASTER_* set): python moe_worker.py OUT CASE [CASE...]
 CASE = DTYPE:MODE:STAGE:EXPERTS:EP:K, e.g. fp32:stock:2:2:2:1 (2 experts, expert-parallel size 2, top-1
-gating) or bf16:ts:1:2:1:2. MODE ``ts`` enables ds_tensorshard, ``tsmpi`` with the mpi comm backend. The
+gating) or bf16:ts:1:2:1:2. MODE ``ts`` enables ds_tensorshard, ``tsmpi`` with the mpi comm backend;
+``stock-reduce`` is stock with ``use_multi_rank_bucket_allreduce`` false (a reduce onto each owner). The
 param groups are ``split_params_into_different_moe_groups_for_optimizer``'s. Writes OUT/CASE.rankR.pt with the
 per-micro-step losses, the grad norms, the final parameters, their fp32 masters (``safe_get_full_fp32_param``)
 and (ds_tensorshard) each domain's plan: elements per rank.
@@ -26,6 +27,7 @@ import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
 from tests.workers.equivalence_worker import ds_config
 
+REDUCING_STOCK = "stock-reduce"
 VOCAB, WIDTH, SEQ, MICRO_BATCH, GAS, STEPS = 64, 32, 8, 2, 2, 5
 
 
@@ -69,6 +71,8 @@ def run_case(case: str, out_dir: str) -> None:
     model = MoEModel(int(experts), int(ep_size), int(k))
     config = ds_config(dtype, mode, int(stage), world)
     config["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=1e-2)  # one lr for every group
+    if mode == REDUCING_STOCK:  # stock reducing each partition onto its owner, as ds_tensorshard does
+        config["zero_optimization"]["use_multi_rank_bucket_allreduce"] = False
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     losses, norms = [], []
     for micro in range(STEPS * GAS):
@@ -87,7 +91,7 @@ def run_case(case: str, out_dir: str) -> None:
         "masters": {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()},
         "optimizer_class": type(optimizer).__name__,
     }
-    if mode != "stock":
+    if mode.startswith("ts"):
         result["numel_per_rank"] = {name: list(d.plan.numel_per_rank) for name, d in optimizer.domains.items()}
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
 
