@@ -134,7 +134,8 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 logger.info(
                     f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
                     f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
-                    f"{domain.plan.imbalance:.4f}"
+                    f"{domain.plan.imbalance:.4f}; this engine's save_checkpoint/load_checkpoint are refused (MoE "
+                    "checkpoints are not supported yet)"
                 )
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
