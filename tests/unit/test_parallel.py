@@ -120,7 +120,7 @@ def test_moe_with_offload_or_what_stock_asserts_against_is_refused(zero, message
     _refused(WithExperts(), {"zero_optimization": zero}, EXPERT + ".* " + message)
 
 
-def _moe_engine(optimizer=None):
+def _moe_engine(optimizer=None, initialize=None):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -139,9 +139,17 @@ def _moe_engine(optimizer=None):
         config.pop("optimizer")
         config["zero_allow_untested_optimizer"] = True
     params = groups if optimizer is None else None
-    return deepspeed.initialize(
-        model=model, model_parameters=params, optimizer=optimizer and optimizer(model), config=config
-    )[0]
+    item = dict(model=model, model_parameters=params, optimizer=optimizer and optimizer(model), config=config)
+    return (initialize or (lambda item: deepspeed.initialize(**item)))(item)[0]
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_with_initialize_many_is_refused():
+    from ds_tensorshard import initialize_many
+    from ds_tensorshard.errors import TensorShardConfigError
+
+    with pytest.raises(TensorShardConfigError, match="initialize_many with a mixture-of-experts model"):
+        _moe_engine(initialize=lambda item: initialize_many([item]))
 
 
 @pytest.mark.usefixtures("single_rank_world")
