@@ -296,8 +296,9 @@ UNFOLLOWED_KEYS: tuple[tuple[str, tuple[int, ...], Callable[[Mapping[str, Any], 
         "expert_parallel.enabled",
         (0, 19, 2),
         lambda config, zero: _block(config, "expert_parallel").get("enabled"),
-        "AutoEP makes mixture-of-experts layers (expert parameters with allreduce=False) inside the engine, and "
-        "mixture-of-experts is not supported by ds_tensorshard; disable 'tensorshard.enabled' for this model",
+        "AutoEP replaces a model's MoE blocks with its own expert-parallel layers inside the engine; ds_tensorshard "
+        "supports deepspeed.moe.layer.MoE, but AutoEP has not been checked against stock (stock's AutoEP does not "
+        "initialize on this project's CPU test machines); disable 'tensorshard.enabled' for this model",
     ),
 )
 
@@ -370,8 +371,8 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
     """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
 
     Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style), pipeline
-    parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows) and Ulysses sequence parallelism
-    through an ``mpu``."""
+    parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows), Ulysses sequence parallelism
+    through an ``mpu``, and DeepSpeed MoE layers (expert parallelism) with data parallelism alone."""
     from deepspeed.pipe import PipelineModule
 
     stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
@@ -401,9 +402,40 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
         )
     expert = next((name for name, p in model.named_parameters() if getattr(p, "allreduce", True) is False), None)
     if expert is not None:
+        _check_moe_layout(expert, isinstance(model, PipelineModule), mpu, param_dict)
+
+
+def _check_moe_layout(expert: str, pipeline: bool, mpu: Any, param_dict: Mapping[str, Any]) -> None:
+    """A model with DeepSpeed MoE layers (``expert``: its first expert parameter) is supported with data
+    parallelism alone; what stock ZeRO-1/2 itself asserts for MoE is refused as such."""
+    zero = param_dict.get("zero_optimization") or {}
+    where = f"a mixture-of-experts model (expert parameter '{expert}', allreduce=False)"
+    if pipeline:
         raise TensorShardConfigError(
-            f"MoE expert parameter '{expert}' (allreduce=False): mixture-of-experts layers are not supported by "
-            f"ds_tensorshard; disable '{BLOCK}.enabled' for this model"
+            f"{where} in a PipelineModule: MoE with pipeline parallelism is not supported by ds_tensorshard; "
+            f"disable '{BLOCK}.enabled' for this model"
+        )
+    if mpu is not None:
+        raise TensorShardConfigError(
+            f"{where} with an mpu: MoE with tensor or sequence parallelism is not supported by ds_tensorshard "
+            "(only data and expert parallelism); initialize without the mpu or disable "
+            f"'{BLOCK}.enabled'"
+        )
+    if (zero.get("offload_optimizer") or {}).get("device") not in (None, "none"):
+        raise TensorShardConfigError(
+            f"{where} with 'zero_optimization.offload_optimizer': MoE with ZeRO-Offload is not supported by "
+            "ds_tensorshard; remove the block or disable "
+            f"'{BLOCK}.enabled'"
+        )
+    if not _truthy(zero.get("reduce_scatter", True)):
+        raise TensorShardConfigError(  # stock ZeRO-1/2 asserts it (_configure_moe_settings)
+            f"{where} with 'zero_optimization.reduce_scatter' false: stock ZeRO-1/2 requires it true for MoE; "
+            "remove the key"
+        )
+    if zero.get("stage") == 2 and not _truthy(zero.get("contiguous_gradients", True)):
+        raise TensorShardConfigError(  # stock ZeRO-2 asserts it (_configure_moe_settings)
+            f"{where} with 'zero_optimization.contiguous_gradients' false at stage 2: stock ZeRO-2 requires it "
+            "true for MoE; remove the key"
         )
 
 

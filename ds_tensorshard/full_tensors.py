@@ -105,7 +105,8 @@ class FullTensor:
                 flat[block.start : block.stop] = optimizer.optimizer.state[master][optim_state_key].reshape(-1)
         what = "fp32 master" if optim_state_key is None else f"optimizer state {optim_state_key!r}"
         where = lambda: f"step {optimizer._step_of()}, safe_get_full of the {what} of '{name}'"  # noqa: E731
-        wait_or_fail(lambda: optimizer.comm.all_reduce_sum(flat), optimizer.comm, where)
+        comm = optimizer.domain_of[param].comm  # the group that owns its blocks
+        wait_or_fail(lambda: comm.all_reduce_sum(flat), comm, where)
         if flat[NO_STATE] > 0:
             raise _no_state(optimizer, name, optim_state_key)
         if flat[NO_KEY] > 0:
@@ -152,7 +153,8 @@ class FullTensor:
             if grad is not None:
                 flat[block.start : block.stop] = grad.reshape(-1)
         where = lambda: f"step {optimizer._step_of()}, safe_get_full_grad of '{name}'"  # noqa: E731
-        wait_or_fail(lambda: optimizer.comm.all_reduce_sum(flat), optimizer.comm, where)
+        comm = optimizer.domain_of[param].comm  # the group that owns its blocks
+        wait_or_fail(lambda: comm.all_reduce_sum(flat), comm, where)
         return flat.view(param.shape)
 
     @torch.no_grad()
@@ -196,7 +198,7 @@ def _gradient_window(optimizer: TensorShardOptimizer, name: str, call: str) -> O
             "gradient accumulation boundary and before engine.step() (as stock ZeRO-1/2; before that boundary "
             "at stage 1 it is param.grad, where backward produced one)"
         )
-    optimizer.reducer.drain()  # reductions an initialize_many engine left in flight
+    optimizer.drain()  # reductions an initialize_many engine left in flight
     return optimizer.shard
 
 

@@ -3,12 +3,15 @@
 It runs the data path (``ds_tensorshard.datapath``), one module a phase: ``placement``/``plan`` (tensors ->
 balanced sets, each owned whole or in dim-0 blocks) -> ``intake`` (the gradient hooks) -> ``buckets`` and
 ``reduce`` (the mean onto each owner) -> ``norm`` (global norm, overflow, clip) -> ``update`` (the inner
-optimizer on owned fp32 masters) -> ``broadcast`` (owners send the updated pieces back).
+optimizer on owned fp32 masters) -> ``broadcast`` (owners send the updated pieces back). Each process group
+that tensors are averaged over is a ``domain`` with its own transport, plan, buckets and reducer: the
+data-parallel group's for dense tensors, and one per expert group for the expert tensors of MoE layers.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.domains import DENSE, Domain, domain_names, process_group_of
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
@@ -33,6 +37,7 @@ from ds_tensorshard.datapath.norm import (
     NormRules,
     counted_in_norm,
     decide,
+    expert_norm_averaging,
     global_norm,
     loss_scaler_of,
     sum_over_ranks,
@@ -42,7 +47,7 @@ from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainabl
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
 from ds_tensorshard.datapath.update import OwnedShard
-from ds_tensorshard.errors import TensorShardUsageError
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.full_tensors import attach
 from ds_tensorshard.transports import open_transport
 from ds_tensorshard.versions import installed_release
@@ -104,7 +109,6 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         eager_state = len(init_optimizer.state) > 0  # e.g. Adagrad builds its state at construction
         self.optimizer = init_optimizer
         self.dp_process_group = engine.seq_data_parallel_group
-        self.comm = open_transport(config.comm_backend, self.dp_process_group, config.timeout_s)
         self._read_engine_settings(engine)
         self._plan_tensors(engine, config, joint_plan)
         self._own_tensors(engine, eager_state)
@@ -127,6 +131,13 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 f"{self.bucket_numel:,} elements (no padding), fullest rank / ideal {self.plan.imbalance:.4f}; "
                 f"{describe_zero_mapping(engine._config._param_dict)}"
             )
+            for domain in (d for d in self.domains.values() if d.expert):
+                logger.info(
+                    f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
+                    f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
+                    f"{domain.plan.imbalance:.4f}; this engine's save_checkpoint/load_checkpoint are refused (MoE "
+                    "checkpoints are not supported yet)"
+                )
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
         self._step_of = lambda: engine.global_steps
@@ -148,16 +159,35 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self._in_optimizer_backward = False  # engines before 0.18.3 run engine.backward through self.backward
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: OwnershipPlan | None) -> None:
+        """One domain per process group (:mod:`~ds_tensorshard.datapath.domains`): the dense tensors' over the
+        data-parallel group first, then each expert group's, each planned over its own group's ranks."""
         self.bit16_groups = trainable_groups(self.optimizer)
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
-        self.plan = plan_for(self.optimizer, self.names, self.comm.world_size, config.split_tensors, joint)
+        self.group_domains = domain_names(self.optimizer.param_groups, self.names)
+        if joint is not None and set(self.group_domains) != {DENSE}:
+            raise TensorShardConfigError(
+                "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
+                "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
+            )
+        self.domains: dict[str, Domain] = {}
+        for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank
+            comm = open_transport(config.comm_backend, process_group_of(name, self.dp_process_group), config.timeout_s)
+            in_domain = {p for g, d in zip(self.bit16_groups, self.group_domains) if d == name for p in g}
+            params = [p for p in self.params if p in in_domain]
+            names = {p: self.names[p] for p in params}
+            plan = plan_for(self.optimizer, names, comm.world_size, config.split_tensors, joint)
+            self.domains[name] = Domain(name, comm, params, plan)
+        self.domain_of = {p: self.domains[d] for g, d in zip(self.bit16_groups, self.group_domains) for p in g}
+        self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
     def _own_tensors(self, engine: DeepSpeedEngine, eager_state: bool) -> None:
         """fp32 masters (and the inner optimizer's state) for this rank's blocks only."""
-        rank, blocks = self.comm.rank, self.plan.blocks_of
-        owned = [[(p, b) for p in group for b in blocks(p) if b.rank == rank] for group in self.bit16_groups]
+        owned = [
+            [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
+            for group, domain in zip(self.bit16_groups, (self.domains[d] for d in self.group_domains))
+        ]
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host)
@@ -179,26 +209,32 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
         if updates_early(self.rules, self.host is not None) and not pipeline:
             self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)
-        self.reducer = OverlappedReducer(
-            self._build_buckets(list(reversed(self.params))),
-            self.comm,
-            Averaging.like_deepspeed(engine, self.comm.world_size),
-            self.early.deliver
-            if self.early
-            else lambda bucket, segment: self.shard.accept(bucket, segment, self.comm.rank),
-            self.params,
-            self.names.__getitem__,
-            self._build_buckets,
-            self.intake.gradient_of,
-            self.intake.release,
-            self._step_of,
-            lambda: engine.micro_steps if self._at_boundary() else None,
-        )
-        self.intake.to_reducer = self.reducer.gradient_ready
+        # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
+        averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
+        for domain in self.domains.values():
+            domain.reducer = OverlappedReducer(
+                self._build_buckets(domain, list(reversed(domain.params))),
+                domain.comm,
+                averaging,
+                self.early.deliver if self.early else functools.partial(self._accept, domain.comm.rank),
+                domain.params,
+                self.names.__getitem__,
+                functools.partial(self._build_buckets, domain),
+                self.intake.gradient_of,
+                self.intake.release,
+                self._step_of,
+                lambda: engine.micro_steps if self._at_boundary() else None,
+            )
+        self.reducer = self.domains[DENSE].reducer
+        self.intake.to_reducer = lambda param: self.domain_of[param].reducer.gradient_ready(param)
         self.intake.check_caller = self._check_backward_caller
 
-    def _build_buckets(self, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        buckets = build_buckets(backward_order, self.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
+    def _accept(self, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
+        """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
+        self.shard.accept(bucket, segment, rank)
+
+    def _build_buckets(self, domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
+        buckets = build_buckets(backward_order, domain.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
         if self.early is not None:
             self.early.expect(buckets)
         return buckets
@@ -224,8 +260,19 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
 
     @property
     def buckets(self) -> list[Bucket]:
-        """The communication buckets, in the order reductions start (backward's, once it has been seen)."""
+        """The data-parallel domain's communication buckets, in the order reductions start (backward's, once it
+        has been seen); an expert domain's are ``domains[name].reducer.buckets``."""
         return self.reducer.buckets
+
+    def drain(self) -> None:
+        """Complete every domain's reductions still in flight."""
+        for domain in self.domains.values():
+            domain.reducer.drain()
+
+    def broadcast(self) -> None:
+        """Every domain's owners send their updated tensors to the other ranks of its group."""
+        for domain in self.domains.values():
+            broadcast_buckets(domain.reducer.buckets, domain.comm, domain.reducer.describe)
 
     # -- what the engine reads ------------------------------------------------------------------
     @property
@@ -266,7 +313,8 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
 
     @torch.no_grad()
     def _reduce_to_owners(self) -> None:
-        self.reducer.finish(wait=not self.reduce_in_background)
+        for domain in self.domains.values():
+            domain.reducer.finish(wait=not self.reduce_in_background)
         self.phase = Phase.REDUCED if self._at_boundary() else self.phase
 
     def _at_boundary(self) -> bool:
@@ -282,13 +330,14 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         global norm over ranks, check overflow, update the loss scale (:mod:`~ds_tensorshard.datapath.norm`).
         :func:`~ds_tensorshard.step_many` runs it for every engine first, with ``defer_broadcast``, so that
         each model's update overlaps the previous one's broadcasts."""
-        self.reducer.drain()
+        self.drain()
         self.shard.gradients_to_masters()
         step = self._step_of()
         squares = self.shard.squared_grad_norms(lambda p: counted_in_norm(p, self.model_parallel_rank))
         describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
         partials = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
-        norm, invalid = global_norm(partials)
+        experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
+        norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
         self.overflow = self.rules.checks_overflow and invalid
         before = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
@@ -327,7 +376,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             self.pending_broadcast = Broadcast(self.buckets, self.comm, self.reducer.describe)
             self.phase = Phase.BROADCASTING
         else:
-            broadcast_buckets(self.buckets, self.comm, self.reducer.describe)
+            self.broadcast()
             self.phase = Phase.ACCUMULATING
 
     def _update_before_broadcast(self, sent: int, bucket: Bucket) -> None:
@@ -351,7 +400,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (to None, or to zeros with ``set_to_none=False``), as stock does; the
         owners' reduced gradients are the step's and are dropped by it."""
-        self.reducer.drain()
+        self.drain()
         if self.phase is Phase.PREPARED:
             self.phase, self._decision = Phase.ACCUMULATING, None
         self.intake.clear(self.params, set_to_none)

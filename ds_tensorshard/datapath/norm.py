@@ -9,6 +9,7 @@ the gradients are unscaled and clipped with the loss scale *after* its update, a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,10 +66,29 @@ def sum_over_ranks(
     return partials
 
 
-def global_norm(partials: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(norm, invalid)`` from the groups' summed squares: the groups' norms combined in fp32; inf, and
-    invalid, where any group's norm is inf or nan."""
+def expert_norm_averaging(
+    experts: list[tuple[int, Transport]], describe: Callable[[], str]
+) -> Callable[[torch.Tensor], None]:
+    """Stock's rule for MoE param groups (``_average_expert_grad_norms``): each expert group's norm, already
+    summed over the whole data-parallel group, is divided by its expert-data-parallel group's size and summed
+    over that group. ``experts``: (param group index, that group's expert transport)."""
+
+    def average(group_norms: torch.Tensor) -> None:
+        for index, comm in experts:
+            scaled = group_norms[index : index + 1] / comm.world_size
+            wait_or_fail(functools.partial(comm.all_reduce_sum, scaled), comm, describe)
+            group_norms[index] = scaled[0]
+
+    return average
+
+
+def global_norm(
+    partials: torch.Tensor, average_experts: Callable[[torch.Tensor], None] = lambda norms: None
+) -> tuple[torch.Tensor, bool]:
+    """``(norm, invalid)`` from the groups' summed squares: the groups' norms (expert groups' averaged by
+    ``average_experts``) combined in fp32; inf, and invalid, where any group's norm is inf or nan."""
     group_norms = partials.pow(1.0 / 2)
+    average_experts(group_norms)
     if bool((~torch.isfinite(group_norms)).any()):
         return torch.full((), float("inf"), device=partials.device), True
     return torch.linalg.vector_norm(group_norms), False

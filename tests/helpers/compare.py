@@ -9,6 +9,7 @@ norms within a few ulps, every parameter within one peak-lr step, and the mean p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -62,6 +63,11 @@ def assert_run_matches(ours: dict, reference: dict, dtype: str, where: str, loos
         )
         if value.numel():
             assert (a - value).abs().mean() <= tol["mean"], f"{where} {name}: mean |diff| {(a - value).abs().mean()}"
+
+
+def within_ulps(a: float, b: float, ulps: int) -> bool:
+    """Equal, both nan (an overflow step), or within ``ulps`` fp32 units in the last place (2**-23 relative)."""
+    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= ulps * 2**-23 * abs(b)
 
 
 def assert_cases_match(load: Callable[[str, int], dict], world: int, pairs: list[tuple[str, str]]) -> None:

@@ -7,14 +7,13 @@ peaks, two param groups, tied embedding, a frozen and an unused parameter.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import torch
 
 from tests.helpers import WORKERS
-from tests.helpers.compare import assert_run_matches
+from tests.helpers.compare import assert_run_matches, within_ulps
 from tests.helpers.ranks import run_ranks
 from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS
 
@@ -34,11 +33,6 @@ def pairs(n):
             yield case, f"{dtype}:stock:{stage}"
             if dtype == "fp32" and stage == "1":
                 yield case, "fp32:stock:2"
-
-
-def within_ulps(a: float, b: float, ulps: int) -> bool:
-    """Equal, both nan (an overflow step), or within ``ulps`` fp32 units in the last place (2**-23 relative)."""
-    return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= ulps * 2**-23 * abs(b)
 
 
 def test_same_losses_norms_and_parameters_as_stock(world):

@@ -85,6 +85,7 @@ BAD = [
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "'optimizer.type' 'OneBitAdam' cannot be sharded"),
     ({"compile": {"deepcompile": True}}, "'compile.deepcompile' is not supported"),
     ({"checkpoint": {"use_node_local_storage": True}}, "'checkpoint.use_node_local_storage' is not supported"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 1}}, "'expert_parallel.enabled' is not supported"),
 ]
 
 

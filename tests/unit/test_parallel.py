@@ -1,5 +1,6 @@
-"""Parallelism that is refused (MoE, AutoTP, device-mesh sequence parallelism, a PipelineModule at stage 2 or
-with fp32 accumulation), in this process, before any hook or state exists.
+"""Parallelism that is refused (AutoTP, device-mesh sequence parallelism, a PipelineModule at stage 2 or with fp32
+accumulation, MoE with a pipeline, an mpu or offload, and MoE checkpoints), in this process, before any hook or
+state exists.
 """
 
 from __future__ import annotations
@@ -75,16 +76,102 @@ def test_autotp_is_refused():
     )
 
 
+class WithExperts(torch.nn.Module):
+    """A DeepSpeed MoE layer of two experts (expert parallel size 1)."""
+
+    def __init__(self) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.moe = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1, k=1, min_capacity=2)
+
+    def forward(self, x):
+        return self.moe(x)[0].sum()
+
+
+EXPERT = r"a mixture-of-experts model \(expert parameter 'moe\.deepspeed_moe\.experts\.deepspeed_experts\.0\.weight'"
+
+
 @pytest.mark.usefixtures("single_rank_world")
-def test_moe_is_refused_naming_the_first_expert_parameter():
-    from deepspeed.moe.layer import MoE
+def test_moe_in_a_pipeline_module_is_refused():
+    from deepspeed.pipe import LayerSpec, PipelineModule
 
-    class WithExperts(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.moe = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1, k=1)
+    model = PipelineModule([LayerSpec(WithExperts)], num_stages=1, loss_fn=torch.nn.MSELoss())
+    _refused(model, {"zero_optimization": {"stage": 1}}, EXPERT.replace("moe", "0.moe", 1) + r".* in a PipelineModule")
 
-        def forward(self, x):
-            return self.moe(x)[0].sum()
 
-    _refused(WithExperts(), {"zero_optimization": {"stage": 2}}, r"MoE expert parameter 'moe\.deepspeed_moe\.experts")
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_with_an_mpu_is_refused():
+    from tests.helpers.tp_model import ToyMpu
+
+    _refused(WithExperts(), {"zero_optimization": {"stage": 2}}, EXPERT + r".* with an mpu", mpu=ToyMpu(1))
+
+
+@pytest.mark.usefixtures("single_rank_world")
+@pytest.mark.parametrize(
+    "zero,message",
+    [
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "with 'zero_optimization.offload_optimizer'"),
+        ({"stage": 2, "reduce_scatter": False}, "'zero_optimization.reduce_scatter' false"),  # stock asserts it
+        ({"stage": 2, "contiguous_gradients": False}, "'zero_optimization.contiguous_gradients' false"),  # same
+    ],
+)
+def test_moe_with_offload_or_what_stock_asserts_against_is_refused(zero, message):
+    _refused(WithExperts(), {"zero_optimization": zero}, EXPERT + ".* " + message)
+
+
+def _moe_engine(optimizer=None, initialize=None):
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    import ds_tensorshard  # noqa: F401
+
+    torch.manual_seed(0)
+    model = WithExperts()
+    groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "all"}])
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "tensorshard": {"enabled": True},
+    }
+    if optimizer is not None:
+        config.pop("optimizer")
+        config["zero_allow_untested_optimizer"] = True
+    params = groups if optimizer is None else None
+    item = dict(model=model, model_parameters=params, optimizer=optimizer and optimizer(model), config=config)
+    return (initialize or (lambda item: deepspeed.initialize(**item)))(item)[0]
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_with_initialize_many_is_refused():
+    from ds_tensorshard import initialize_many
+    from ds_tensorshard.errors import TensorShardConfigError
+
+    with pytest.raises(TensorShardConfigError, match="initialize_many with a mixture-of-experts model"):
+        _moe_engine(initialize=lambda item: initialize_many([item]))
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_expert_tensors_outside_a_moe_param_group_are_refused():
+    from ds_tensorshard.errors import TensorShardConfigError
+
+    with pytest.raises(
+        TensorShardConfigError, match=r"'moe\.deepspeed_moe\.experts.*in a param group not marked 'moe'"
+    ):
+        _moe_engine(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_checkpoints_are_refused_before_anything_is_written(tmp_path):
+    from ds_tensorshard.errors import TensorShardUsageError
+
+    engine = _moe_engine()
+    assert sorted(engine.optimizer.domains) == ["data_parallel", "ep_size_1"]
+    engine.backward(engine(torch.randn(2, 4)))
+    engine.step()
+    with pytest.raises(TensorShardUsageError, match="save_checkpoint of a mixture-of-experts engine"):
+        engine.save_checkpoint(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TensorShardUsageError, match="load_checkpoint of a mixture-of-experts engine"):
+        engine.load_checkpoint(str(tmp_path), tag="t")

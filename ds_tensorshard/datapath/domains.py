@@ -1,0 +1,73 @@
+"""Domains: the data path once per process group that tensors are averaged over.
+
+Dense tensors form the data-parallel domain: planned over, reduced onto and broadcast from the data-parallel
+group's ranks. The expert tensors of DeepSpeed MoE layers (``allreduce=False``; the param groups
+``split_params_into_different_moe_groups_for_optimizer`` makes, marked ``moe`` and named after their
+expert-parallel group) form one domain per expert group name: planned over that name's
+expert-data-parallel group (the ranks holding the same experts) and moved within it only. Example: 4 ranks,
+2 experts, ``ep_size`` 2: ranks 0 and 2 hold expert 0, ranks 1 and 3 expert 1; the ``ep_size_2`` domain of
+rank 0 plans expert 0's tensors over ranks {0, 2}, the dense domain every other tensor over {0, 1, 2, 3}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.utils import groups
+
+from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.datapath.reduce import OverlappedReducer
+from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.transports.protocol import Transport
+
+DENSE = "data_parallel"  # the dense domain's name; an expert domain is named after its expert group
+
+
+@dataclass
+class Domain:
+    """One process group's share of the data path: its transport, tensors (model order), plan and reducer."""
+
+    name: str
+    comm: Transport
+    params: list[torch.nn.Parameter]
+    plan: OwnershipPlan
+    reducer: OverlappedReducer = field(init=False)
+
+    @property
+    def expert(self) -> bool:
+        return self.name != DENSE
+
+
+def domain_names(param_groups: list[dict], names: dict[torch.nn.Parameter, str]) -> list[str]:
+    """Each param group's domain: DENSE, or for a group marked ``moe`` its ``name`` (the expert group's), as
+    stock ZeRO-1/2 reads it. Expert and dense tensors in one group are refused, as stock does."""
+    found = []
+    for group in param_groups:
+        params = [p for p in group["params"] if p in names]
+        if group.get("moe"):
+            stray = next((p for p in params if not is_moe_param(p) or p.group_name != group["name"]), None)
+            if stray is not None:
+                raise TensorShardConfigError(
+                    f"parameter '{names[stray]}' is in the MoE param group '{group['name']}' but is not one of "
+                    "its expert tensors; build the groups with deepspeed.moe.utils."
+                    "split_params_into_different_moe_groups_for_optimizer"
+                )
+            found.append(group["name"])
+            continue
+        expert = next((p for p in params if is_moe_param(p)), None)
+        if expert is not None:
+            raise TensorShardConfigError(
+                f"MoE expert parameter '{names[expert]}' (allreduce=False) is in a param group not marked 'moe': "
+                "it must be averaged over its expert-data-parallel group; build the groups with "
+                "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer"
+            )
+        found.append(DENSE)
+    return found
+
+
+def process_group_of(name: str, data_parallel_group: Any) -> Any:
+    """The process group a domain's tensors are averaged over."""
+    return data_parallel_group if name == DENSE else groups._get_expert_data_parallel_group(name)
