@@ -1,9 +1,10 @@
 """One rank of an HF mixture-of-experts run: a tiny transformers MoE model, stock ZeRO-1/2 or ds_tensorshard.
 
 Usage (per rank, RANK/WORLD_SIZE/MASTER_* set): python hf_moe_worker.py OUT CASE [CASE...]
-CASE = MODEL:DTYPE:MODE:STAGE, e.g. switch:fp32:ts:2. MODEL is one of :data:`MODELS`, built from its
-transformers config with a seeded random init: ``mixtral`` and ``qwen2_moe`` keep their experts in 3D
-tensors (an expert without tokens gets a zero slice of the gradient), ``switch`` (Switch Transformers) keeps
+CASE = MODEL:DTYPE:MODE:STAGE, e.g. switch:fp32:ts:2. MODE ``stock`` or ``ts`` (ds_tensorshard), either with
+``+zeros`` (every expert parameter given a gradient, see :func:`run_case`). MODEL (``mixtral``, ``qwen2_moe``,
+``switch``) is built from its transformers config with a seeded random init: ``mixtral`` and ``qwen2_moe`` keep
+their experts in 3D tensors (an expert without tokens gets a zero slice of the gradient), ``switch`` (Switch Transformers) keeps
 each expert a module of its own (an expert without tokens on a rank has no gradient there: its hooks never
 fire on that rank). Few tokens per micro-batch (8 experts, 8 tokens) leave experts idle in most steps.
 Writes OUT/CASE.rankR.pt with per-micro-step losses, per-step grad norms, the final parameters and the
@@ -77,7 +78,7 @@ def ds_config(dtype: str, mode: str, stage: int, world: int) -> dict:
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
-    if mode == "ts":
+    if mode.startswith("ts"):
         config["tensorshard"] = {"enabled": True}
     return config
 
@@ -102,7 +103,7 @@ def run_case(case: str, out_dir: str) -> None:
     # another order on another rank (its buckets fill in that order). ``stock+zeros`` adds 0 x the sum of every
     # expert parameter, computed before the forward: each expert's gradient then becomes final at the end of
     # backward, in the same order on every rank, and is zero where the expert received no tokens
-    touched = [p for _, c in experts for p in c.parameters()] if mode == "stock+zeros" else []
+    touched = [p for _, c in experts for p in c.parameters()] if mode.endswith("+zeros") else []
     losses, norms = [], []
     for micro in range(STEPS * GAS):
         routed.append([])
