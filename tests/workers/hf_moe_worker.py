@@ -4,9 +4,9 @@ Usage (per rank, RANK/WORLD_SIZE/MASTER_* set): python hf_moe_worker.py OUT CASE
 CASE = MODEL:DTYPE:MODE:STAGE, e.g. switch:fp32:ts:2. MODE ``stock`` or ``ts`` (ds_tensorshard), either with
 ``+zeros`` (every expert parameter given a gradient, see :func:`run_case`). MODEL (``mixtral``, ``qwen2_moe``,
 ``switch``) is built from its transformers config with a seeded random init: ``mixtral`` and ``qwen2_moe`` keep
-their experts in 3D tensors (an expert without tokens gets a zero slice of the gradient), ``switch`` (Switch Transformers) keeps
-each expert a module of its own (an expert without tokens on a rank has no gradient there: its hooks never
-fire on that rank). Few tokens per micro-batch (8 experts, 8 tokens) leave experts idle in most steps.
+their experts in 3D tensors (an expert without tokens gets a zero slice of the gradient), ``switch`` (Switch
+Transformers) keeps each expert a module of its own (an expert without tokens on a rank has no gradient there:
+its hooks never fire on that rank). Few tokens per micro-batch (8 experts, 8 tokens) leave experts idle in most steps.
 Writes OUT/CASE.rankR.pt with per-micro-step losses, per-step grad norms, the final parameters and the
 tokens each expert received, per micro-step and MoE layer.
 """
