@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import WORKERS
-from tests.helpers.compare import assert_run_matches
+from tests.helpers.compare import TOLERANCE
 from tests.helpers.ranks import run_ranks
 from tests.multiprocess.test_frameworks import frameworks_installed  # noqa: F401  (installs transformers)
 from tests.workers.hf_moe_worker import GAS, STEPS
@@ -45,26 +45,39 @@ def within_ulps(a: float, b: float, ulps: int) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= ulps * 2**-23 * abs(b)
 
 
+# 3 ranks sum in another order than stock's collectives; Adam turns that rounding into larger steps on elements
+# whose gradient is near zero (an expert that saw one token): measured 3.0e-5 on one element of 1,536 (Switch,
+# stage 1), mean |diff| 7.0e-7 (Qwen2-MoE), losses 9.5e-7, routing unchanged; held to 1e-4 and compare.py's mean
+THREE_RANK_PARAM_ATOL = 1e-4
+
+
 def assert_pairs_match(load, world: int, pairs: list[tuple[str, str, int]], exact: bool) -> None:
-    """Each ds_tensorshard case against its stock reference on every rank: bit-identical losses and parameters
-    where ``exact`` (2 ranks: each element is the same two-term sum as stock's; the grad norm's partials cover
-    other elements, 2 fp32 ulps, as in test_equivalence.py), else within compare.py's tolerance."""
+    """Each ds_tensorshard case against its stock reference on every rank, with the same tokens routed to the same
+    experts: bit-identical losses and parameters where ``exact`` (2 ranks: each element is the same two-term sum
+    as stock's; the grad norm's partials cover other elements, 2 fp32 ulps, as in test_equivalence.py), else
+    within compare.py's fp32 tolerance, parameters within :data:`THREE_RANK_PARAM_ATOL`."""
+    tol = TOLERANCE["fp32"]
     for model, dtype, stage in pairs:
         ours_case, stock_case = (f"{model}:{dtype}:{mode}:{stage}" for mode in ("ts", REFERENCE[model]))
         for rank in range(world):
             ours, stock = load(ours_case, rank), load(stock_case, rank)
+            where = f"{ours_case} vs {stock_case} rank {rank}"
             assert (ours["optimizer_class"], stock["optimizer_class"]) == (
                 "TensorShardOptimizer",
                 "DeepSpeedZeroOptimizer",
             )
-            assert len(ours["losses"]) == STEPS * GAS, ours_case
-            assert ours["routed"] == stock["routed"], ours_case  # the same tokens went to the same experts
-            assert_run_matches(ours, stock, dtype, f"{ours_case} vs {stock_case} rank {rank}")
+            assert len(ours["losses"]) == STEPS * GAS, where
+            assert ours["routed"] == stock["routed"], where
             if exact:
-                assert ours["losses"] == stock["losses"], ours_case
-                assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items()), ours_case
-                if dtype == "fp32":  # bf16's norm: within compare.py's tolerance (measured 5 fp32 ulps)
-                    assert all(within_ulps(a, b, 2) for a, b in zip(ours["norms"], stock["norms"])), ours_case
+                assert ours["losses"] == stock["losses"], where
+                assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items()), where
+                assert all(within_ulps(a, b, 2) for a, b in zip(ours["norms"], stock["norms"])), where
+                continue
+            assert max(abs(a - b) for a, b in zip(ours["losses"], stock["losses"])) <= tol["loss"], where
+            assert all(abs(a - b) <= tol["norm"] * b for a, b in zip(ours["norms"], stock["norms"])), where
+            for name, value in stock["params"].items():
+                diff = (ours["params"][name] - value).abs()
+                assert diff.max() <= THREE_RANK_PARAM_ATOL and diff.mean() <= tol["mean"], (where, name, diff.max())
 
 
 def idle(load, case: str, world: int) -> tuple[int, int]:
@@ -101,8 +114,9 @@ def test_experts_received_no_tokens_on_one_rank_and_on_both(two_ranks):
 
 def test_missing_expert_gradients_count_as_zeros(two_ranks):
     """Switch in bf16: ds_tensorshard on the model as it is equals ds_tensorshard with every expert given a zero
-    gradient (``ts+zeros``), bit for bit. (Against stock bf16 ZeRO-2 this model parts after step 1, with or
-    without the zeros, where Mixtral's bf16 run above is bit-identical: see docs/parallelism.md.)"""
+    gradient (``ts+zeros``), bit for bit. (Not against stock bf16 ZeRO-2: Switch's router casts its own weight to
+    fp32 in every forward; stock points it back at its bf16 buffer after each step, ds_tensorshard keeps the fp32
+    tensor, so the routers part by rounding after step 1: docs/parallelism.md.)"""
     for rank in range(2):
         ours, zeros = two_ranks("switch:bf16:ts:2", rank), two_ranks("switch:bf16:ts+zeros:2", rank)
         assert ours["losses"] == zeros["losses"] and ours["norms"] == zeros["norms"]
@@ -112,8 +126,8 @@ def test_missing_expert_gradients_count_as_zeros(two_ranks):
 
 @pytest.mark.extended
 def test_hf_moe_at_three_ranks_and_more_models(tmp_path):
-    """3 ranks sum in another order than stock's collectives: within compare.py's tolerance (fp32 measured within
-    1e-6 relative); the extended models and dtypes at 2 ranks, bit-identical."""
+    """Every fp32 pair at 3 ranks (see :data:`THREE_RANK_PARAM_ATOL`); the extended models and dtypes at 2 ranks,
+    bit-identical."""
     assert_pairs_match(train(tmp_path / "2", 2, EXTENDED), 2, EXTENDED, exact=True)
     three = [p for p in PAIRS + EXTENDED if p[1] == "fp32"]
     assert_pairs_match(train(tmp_path / "3", 3, three), 3, three, exact=False)
