@@ -8,26 +8,33 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ds_tensorshard.commands.model_source import add_model_arguments, model_shapes
+from ds_tensorshard.commands.model_source import add_model_arguments, model_description
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, parse_network
-    from ds_tensorshard.commands.plan_report import format_report, plan_report
+    from ds_tensorshard.commands.plan_report import format_moe_report, format_report, moe_plan_report, plan_report
     from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL
+    from ds_tensorshard.errors import PlanError
 
-    shapes = model_shapes(args)
+    shapes, experts = model_description(args)
     network = parse_network(args.network) if args.network else DEFAULT_NETWORK
     bucket_numel = args.bucket_numel or DEFAULT_BUCKET_NUMEL
-    reports = [
-        plan_report(shapes, n, bucket_numel, args.split_tensors, args.optimizer, network, args.element_bytes)
-        for n in args.world_size
-    ]
+    options = (bucket_numel, args.split_tensors, args.optimizer, network, args.element_bytes)
+    if args.expert_parallel is None:
+        reports = [plan_report(shapes, n, *options) for n in args.world_size]
+    elif experts is None:
+        raise PlanError(
+            f"--expert-parallel {args.expert_parallel}: the model has no experts (a --model-config with "
+            "'num_local_experts' and 'num_experts_per_tok' has)"
+        )
+    else:
+        reports = [moe_plan_report(shapes, experts, n, args.expert_parallel, *options) for n in args.world_size]
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
     for report in reports:
-        print("\n".join(format_report(report)))
+        print("\n".join(format_report(report) if args.expert_parallel is None else format_moe_report(report)))
     return 0
 
 
@@ -90,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--element-bytes", type=int, choices=[2, 4], default=2, help="bytes per gradient element on the wire (bf16: 2)"
+    )
+    plan.add_argument(
+        "--expert-parallel",
+        type=int,
+        metavar="EP",
+        help="expert-parallel size of a mixture of experts (--model-config with 'num_local_experts'): the "
+        "tensors outside the experts planned over all ranks, each EP rank's experts over its world / EP "
+        "expert-data-parallel ranks",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)

@@ -1,13 +1,16 @@
 """Model shapes the package plans and trains: a GPT-style language model (torch's
 TransformerEncoderLayer, pre-norm, causal, tied head) in named sizes, and the parameter shapes of
-Llama-style models, named or read from a Hugging Face ``config.json``.
+Llama-style models, named or read from a Hugging Face ``config.json`` (Mixtral-style mixtures of experts
+where it has ``num_local_experts``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,10 +102,32 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
 PRESET_NAMES = (*PRESETS, *LLAMA_PRESETS)
 
 
+MOE_KEYS = ("num_local_experts", "num_experts_per_tok")  # Mixtral's; a config without them is dense
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts of a mixture-of-experts model: ``count`` per MoE layer, ``per_token`` of them
+    for each token (``num_local_experts``, ``num_experts_per_tok``)."""
+
+    count: int
+    per_token: int
+
+
+def expert_index(name: str) -> int | None:
+    """The expert a tensor belongs to (``...experts.3.w1.weight`` -> 3), or None for a tensor outside the experts."""
+    found = _EXPERT.search(name)
+    return int(found.group(1)) if found else None
+
+
 def llama_shapes(config: Mapping[str, Any]) -> Shapes:
-    """The trainable parameters of a Llama-style decoder (Hugging Face names), from its config keys."""
+    """The trainable parameters of a Llama-style decoder (Hugging Face names), from its config keys; with
+    ``num_local_experts``, Mixtral's: each layer's MLP is a router (``block_sparse_moe.gate``) and that many
+    experts, each its own ``w1``/``w2``/``w3`` (the checkpoints' layout, and each expert-parallel rank's)."""
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    experts = config.get("num_local_experts", 0)
     shapes: Shapes = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}"
@@ -111,27 +136,40 @@ def llama_shapes(config: Mapping[str, Any]) -> Shapes:
             (f"{layer}.self_attn.k_proj.weight", (kv, h)),
             (f"{layer}.self_attn.v_proj.weight", (kv, h)),
             (f"{layer}.self_attn.o_proj.weight", (h, h)),
-            (f"{layer}.mlp.gate_proj.weight", (inter, h)),
-            (f"{layer}.mlp.up_proj.weight", (inter, h)),
-            (f"{layer}.mlp.down_proj.weight", (h, inter)),
-            (f"{layer}.input_layernorm.weight", (h,)),
-            (f"{layer}.post_attention_layernorm.weight", (h,)),
         ]
+        if experts:
+            moe = f"{layer}.block_sparse_moe"
+            shapes.append((f"{moe}.gate.weight", (experts, h)))
+            for e in range(experts):
+                shapes += [
+                    (f"{moe}.experts.{e}.w1.weight", (inter, h)),
+                    (f"{moe}.experts.{e}.w2.weight", (h, inter)),
+                    (f"{moe}.experts.{e}.w3.weight", (inter, h)),
+                ]
+        else:
+            shapes += [
+                (f"{layer}.mlp.gate_proj.weight", (inter, h)),
+                (f"{layer}.mlp.up_proj.weight", (inter, h)),
+                (f"{layer}.mlp.down_proj.weight", (h, inter)),
+            ]
+        shapes += [(f"{layer}.input_layernorm.weight", (h,)), (f"{layer}.post_attention_layernorm.weight", (h,))]
     shapes.append(("model.norm.weight", (h,)))
     if not config.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (vocab, h)))
     return shapes
 
 
-def hf_config_shapes(path: str) -> Shapes:
-    """Parameter shapes of the Llama-style model a Hugging Face ``config.json`` describes."""
+def hf_config_model(path: str) -> tuple[Shapes, Experts | None]:
+    """Parameter shapes of the Llama-style model a Hugging Face ``config.json`` describes, and its experts (None
+    for a dense model)."""
     with open(path) as f:
         config = json.load(f)
     if not isinstance(config, dict):
         raise ModelSourceError(f"{path} is not a JSON object")
     config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     config.setdefault("tie_word_embeddings", False)
-    for key in LLAMA_KEYS:
+    moe = "num_local_experts" in config
+    for key in LLAMA_KEYS + (MOE_KEYS if moe else ()):
         value = config.get(key)
         if key == "tie_word_embeddings":
             if not isinstance(value, bool):
@@ -143,7 +181,14 @@ def hf_config_shapes(path: str) -> Shapes:
             f"{path}: 'hidden_size' {config['hidden_size']} is not a multiple of "
             f"'num_attention_heads' {config['num_attention_heads']}"
         )
-    return llama_shapes(config)
+    if not moe:
+        return llama_shapes(config), None
+    experts = Experts(config["num_local_experts"], config["num_experts_per_tok"])
+    if experts.per_token > experts.count:
+        raise ModelSourceError(
+            f"{path}: 'num_experts_per_tok' {experts.per_token} exceeds 'num_local_experts' {experts.count}"
+        )
+    return llama_shapes(config), experts
 
 
 def preset_shapes(preset: str, **overrides: int) -> Shapes:

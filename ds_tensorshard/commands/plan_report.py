@@ -12,14 +12,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, Network, cost_report
+from ds_tensorshard.commands.models import Experts, expert_index
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.errors import PlanError
 
 Shapes = Sequence[tuple[str, Sequence[int]]]
 
@@ -203,4 +206,92 @@ def format_report(report: dict[str, Any]) -> list[str]:
         )
     if report["world_size"] <= 8:
         lines += [f"  rank {r}: {numel:,}" for r, numel in enumerate(report["numel_per_rank"])]
+    return lines
+
+
+def moe_plan_report(
+    shapes: Shapes,
+    experts: Experts,
+    world_size: int,
+    expert_parallel: int,
+    bucket_numel: int,
+    split: SplitMode = "auto",
+    optimizer: str = "adam",
+    network: Network = DEFAULT_NETWORK,
+    element_bytes: int = 2,
+) -> dict[str, Any]:
+    """The plan of a mixture of experts under expert parallelism, as DeepSpeed lays it out: the tensors outside
+    the experts over the data-parallel group (``world_size`` ranks), and each expert-parallel rank's experts
+    (``count / expert_parallel`` of them) over its expert-data-parallel group, ranks ``e, e + ep, e + 2 ep, ...``
+    (``world_size / expert_parallel`` ranks), each with the same planner as a dense model. Such a group's
+    members share a node only where a node holds more than ``expert_parallel`` ranks: its predicted times take
+    ``network``'s ranks per node divided by ``expert_parallel``.
+
+    Two-rank example: 2 experts, ``expert_parallel=2``, world 2: rank 0 holds expert 0 and rank 1 expert 1,
+    each alone in its expert-data-parallel group; both share the dense tensors' plan over the 2 ranks."""
+    if expert_parallel < 1:
+        raise PlanError(f"--expert-parallel must be at least 1, got {expert_parallel}")
+    if world_size % expert_parallel:
+        raise PlanError(f"--expert-parallel {expert_parallel} does not divide --world-size {world_size}")
+    if experts.count % expert_parallel:
+        raise PlanError(
+            f"--expert-parallel {expert_parallel} does not divide the model's {experts.count} experts "
+            "('num_local_experts')"
+        )
+    group_size, per_rank = world_size // expert_parallel, experts.count // expert_parallel
+    dense = [(name, shape) for name, shape in shapes if expert_index(name) is None]
+    expert_network = replace(network, intra_node_ranks=max(1, network.intra_node_ranks // expert_parallel))
+    groups = []
+    for ep_rank in range(expert_parallel):
+        held = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        tensors = [(name, shape) for name, shape in shapes if expert_index(name) in held]
+        report = plan_report(tensors, group_size, bucket_numel, split, optimizer, expert_network, element_bytes)
+        groups.append({"expert_parallel_rank": ep_rank, "experts": list(held), **report})
+    dense_report = plan_report(dense, world_size, bucket_numel, split, optimizer, network, element_bytes)
+    owned = [
+        dense_report["numel_per_rank"][r] + groups[r % expert_parallel]["numel_per_rank"][r // expert_parallel]
+        for r in range(world_size)
+    ]
+    ideal = sum(owned) / world_size
+    return {
+        "world_size": world_size,
+        "expert_parallel": expert_parallel,
+        "expert_data_parallel": group_size,
+        "experts": experts.count,
+        "experts_per_token": experts.per_token,
+        "experts_per_rank": per_rank,
+        "total_numel": sum(owned),
+        "dense": dense_report,
+        "expert_groups": groups,
+        "owned_per_rank": owned,
+        "owned_fullest_over_ideal": max(owned) / ideal if ideal else 1.0,
+    }
+
+
+def format_moe_report(report: dict[str, Any]) -> list[str]:
+    n, ep, edp = report["world_size"], report["expert_parallel"], report["expert_data_parallel"]
+    lines = [
+        f"world size {n}, expert parallel {ep}: {report['experts']} experts per layer ({report['experts_per_token']} "
+        f"per token), {report['experts_per_rank']} per expert-parallel rank; {report['total_numel']:,} elements, "
+        f"{report['total_numel'] / n:,.0f} per rank ideally",
+        f"  tensors outside the experts, over the data-parallel group ({n} ranks):",
+    ]
+    lines += ["  " + line for line in format_report(report["dense"])]
+    lines.append(f"  expert tensors, each expert-parallel rank's over its expert-data-parallel group ({edp} ranks):")
+    for group in report["expert_groups"]:
+        e = group["expert_parallel_rank"]
+        members = ", ".join(str(r) for r in range(e, n, ep)) if edp <= 4 else f"{e}, {e + ep}, ..., {n - ep + e}"
+        held = group["experts"]
+        which = f"expert {held[0]}" if len(held) == 1 else f"experts {held[0]}-{held[-1]}"
+        lines.append(
+            f"    {which} (ranks {members}): {group['tensors']} tensors, {group['total_numel']:,} elements; "
+            f"fullest rank / ideal {group['imbalance']:.4f} (whole tensors only: {group['never_imbalance']:.4f}); "
+            f"split {len(group['split'])}; buckets {group['buckets']}; sent {group['wire_ratio']:.4f} x a ring "
+            "all-reduce"
+        )
+    owned = report["owned_per_rank"]
+    lines.append(
+        f"  per rank, both together: fullest {max(owned):,} elements / ideal {report['total_numel'] / n:,.0f} = "
+        f"{report['owned_fullest_over_ideal']:.4f}"
+    )
     return lines

@@ -79,3 +79,93 @@ def test_migrate_config_maps_the_offload_block():
     assert migrated["zero_optimization"] == {"stage": 1}
     assert any("no NVMe optimizer offload either" in line for line in report)
     assert any(line.startswith("zero_optimization.offload_param: dropped") for line in report)
+
+
+MIXTRAL_8X7B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+    model_type="mixtral",
+)
+EXPERT_NUMEL = 32 * 3 * 14336 * 4096  # one expert's w1, w2, w3 in every layer
+
+
+def plan_json(capsys, *args) -> list[dict]:
+    assert cli_main(["plan", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_cli_plans_mixtral_experts_over_their_expert_data_parallel_groups(tmp_path, capsys):
+    """Mixtral-8x7B shapes with expert parallel 8: the dense tensors over all ranks, each rank's expert over the
+    world / 8 ranks that hold it (DeepSpeed's groups: ranks e, e + 8, ...), every plan within 1.02x of ideal."""
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    reports = plan_json(
+        capsys, "--model-config", tmp_path / "config.json", "--world-size", 8, 64, 256, "--expert-parallel", 8
+    )
+    for report, n in zip(reports, (8, 64, 256)):
+        assert (report["world_size"], report["expert_data_parallel"], report["experts_per_rank"]) == (n, n // 8, 1)
+        assert report["total_numel"] == 46_702_792_704 == report["dense"]["total_numel"] + 8 * EXPERT_NUMEL
+        dense = report["dense"]
+        assert dense["world_size"] == n and dense["tensors"] == 1 + 32 * 7 + 2  # embedding, 7 per layer, norm, head
+        assert dense["imbalance"] <= 1.02 and dense["wire_ratio"] <= 1.02
+        assert [g["experts"] for g in report["expert_groups"]] == [[e] for e in range(8)]
+        for group in report["expert_groups"]:
+            assert group["world_size"] == n // 8 and group["tensors"] == 96 and group["total_numel"] == EXPERT_NUMEL
+            assert group["imbalance"] == 1.0 and group["split"] == {}  # 96 equal matrices over 1, 8 or 32 ranks
+            assert group["numel_per_rank"] == report["expert_groups"][0]["numel_per_rank"]
+        owned = report["owned_per_rank"]
+        assert sum(owned) == report["total_numel"] and len(owned) == n
+        assert owned[9 % n] == dense["numel_per_rank"][9 % n] + report["expert_groups"][1]["numel_per_rank"][9 % n // 8]
+        assert report["owned_fullest_over_ideal"] <= 1.001
+    alone = reports[0]["expert_groups"][0]  # one rank per expert-data-parallel group: nothing to send
+    assert alone["sent_per_rank_max"] == 0 and alone["communication"]["tensorshard_per_owner"]["seconds"] == 0.0
+    strided = reports[1]["expert_groups"][0]["communication"]["network"]  # ranks 0, 8, ...: one per 8-rank node
+    assert strided["intra_node_ranks"] == 1
+    assert reports[1]["dense"]["communication"]["network"]["intra_node_ranks"] == 8
+    config = str(tmp_path / "config.json")
+    assert cli_main(["plan", "--model-config", config, "--world-size", "64", "--expert-parallel", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "expert 3 (ranks 3, 11, ..., 59): 96 tensors, 5,637,144,576 elements; fullest rank / ideal 1.0000" in text
+    assert "tensors outside the experts, over the data-parallel group (64 ranks)" in text
+    # without --expert-parallel the experts are ordinary tensors, planned over all ranks with the rest
+    whole = plan_json(capsys, "--model-config", tmp_path / "config.json", "--world-size", 64)[0]
+    assert whole["total_numel"] == 46_702_792_704 and whole["imbalance"] <= 1.02 and "dense" not in whole
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--world-size", 12, "--expert-parallel", 8), "--expert-parallel 8 does not divide --world-size 12"),
+        (("--world-size", 6, "--expert-parallel", 3), "--expert-parallel 3 does not divide the model's 8 experts"),
+        (("--world-size", 8, "--expert-parallel", 0), "--expert-parallel must be at least 1, got 0"),
+    ],
+)
+def test_plan_cli_refuses_expert_parallel_sizes_that_do_not_divide(tmp_path, capsys, args, message):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    assert cli_main(["plan", "--model-config", str(tmp_path / "config.json"), *map(str, args)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_cli_refuses_expert_parallel_without_experts_and_bad_expert_keys(tmp_path, capsys):
+    from ds_tensorshard.commands.models import hf_config_model
+    from ds_tensorshard.commands.plan_report import moe_plan_report
+    from ds_tensorshard.errors import ModelSourceError, PlanError
+
+    assert cli_main(["plan", "--preset", "demo", "--world-size", "8", "--expert-parallel", "8"]) == 2
+    assert "--expert-parallel 8: the model has no experts" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "num_experts_per_tok": 9}))
+    with pytest.raises(ModelSourceError, match="'num_experts_per_tok' 9 exceeds 'num_local_experts' 8"):
+        hf_config_model(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_8X7B, "num_local_experts": 0}))
+    with pytest.raises(ModelSourceError, match="'num_local_experts' must be a positive integer"):
+        hf_config_model(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    shapes, experts = hf_config_model(str(tmp_path / "config.json"))
+    with pytest.raises(PlanError, match="does not divide --world-size 4"):
+        moe_plan_report(shapes, experts, 4, 8, 4_000_000)
