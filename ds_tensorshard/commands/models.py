@@ -55,7 +55,8 @@ LORA_RANK = 16  # the adapters' rank: at width 128, 2,048 elements per adapter t
 
 
 class LoRALayer(nn.Module):
-    """A frozen square linear layer with a trainable low-rank adapter: ``x + gelu(W x + B A x)``."""
+    """A frozen square linear layer with a trainable low-rank adapter, pre-normed (no parameters) and residual:
+    ``x + gelu(W h + B A h)``, ``h = layer_norm(x)``."""
 
     def __init__(self, width: int, rank: int = LORA_RANK) -> None:
         super().__init__()
@@ -65,7 +66,8 @@ class LoRALayer(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(width, rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.gelu(self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t())
+        h = F.layer_norm(x, x.shape[-1:])
+        return x + F.gelu(self.base(h) + (h @ self.lora_a.t()) @ self.lora_b.t())
 
 
 class LoRAStack(nn.Module):
