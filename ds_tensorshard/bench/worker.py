@@ -259,14 +259,14 @@ def build_model(args: argparse.Namespace, shape: dict) -> torch.nn.Module:
     return GPT(vocab=args.vocab, seq=args.seq, **shape)
 
 
-def build_fsdp2(model: torch.nn.Module, world: int) -> Setup:
+def build_fsdp2(model: torch.nn.Module, world: int, device: torch.device) -> Setup:
     """PyTorch FSDP2 in its ZeRO-2 form: ``fully_shard`` on every block and on the root, parameters kept
     unsharded from forward through backward (``reshard_after_forward=False``), AdamW on the sharded ones."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.get_submodule("blocks").children():
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.01)
@@ -288,17 +288,13 @@ def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    optimizer = ZeroRedundancyOptimizer(
-        trainable(model), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01
-    )
+    optimizer = ZeroRedundancyOptimizer(trainable(model), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
     clock.wrap(optimizer, "_sync_params", "gather")
 
     def train(tokens: torch.Tensor) -> list[float]:
         loss = ddp(tokens)
         loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
-        _SENT["ddp_all_reduce"] += (
-            2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in trainable(model))
-        )
+        _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in trainable(model))
         return [loss.item()]
 
     def step() -> None:
@@ -397,6 +393,7 @@ def main() -> None:
 
     _count_torch_collectives()
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import stage_1_and_2
 
     from ds_tensorshard.commands.models import synthetic_batch
@@ -404,8 +401,12 @@ def main() -> None:
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     _count_mpi_collectives()
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
+    on_gpu = get_accelerator().device_name() == "cuda"  # DS_ACCELERATOR=cuda: one GPU per rank, NCCL
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", distributed_port=args.port)
     world, rank = tdist.get_world_size(), tdist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
     micro = args.global_batch // world
@@ -413,26 +414,28 @@ def main() -> None:
     shapes = [dict(width=args.width, layers=args.layers, heads=max(1, args.width // 64))]
     if args.config in TWO_MODEL_CONFIGS:
         shapes.append(second_model_shape(args.width, args.layers))
-    models = [build_model(args, shape) for shape in shapes]
+    models = [build_model(args, shape).to(device) for shape in shapes]
     clock = Clock()
     clock.wrap(broadcast.Broadcast, "finish", "gather")
     clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
     if args.config in ("ddp_zero", "fsdp2"):
         model = models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0]
-        setup = build_ddp(model, world, clock) if args.config == "ddp_zero" else build_fsdp2(model, world)
+        setup = build_ddp(model, world, clock) if args.config == "ddp_zero" else build_fsdp2(model, world, device)
     else:
         setup = build_deepspeed(args.config, models, micro, args, clock)
     generator = torch.Generator().manual_seed(100 + rank)
     rows, losses_by_step = [], []
     for index in range(args.warmup + args.steps):
-        tokens = synthetic_batch(micro, args.seq, args.vocab, generator)
+        tokens = synthetic_batch(micro, args.seq, args.vocab, generator).to(device)
         clock.spent.clear()
         sent_before, host_before = sum(_SENT.values()), setup.host_bytes()
         tdist.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
         losses = setup.train(tokens)
+        get_accelerator().synchronize()
         after_backward = time.perf_counter()
         setup.step()
+        get_accelerator().synchronize()
         end, cpu_end = time.perf_counter(), time.process_time()
         losses_by_step.append(losses)
         if index >= args.warmup:

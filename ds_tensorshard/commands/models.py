@@ -80,8 +80,8 @@ class LoRAStack(nn.Module):
         self.wpe = nn.Embedding(seq, width)
         self.blocks = nn.ModuleList(LoRALayer(width) for _ in range(layers))
         self.ln_f = nn.LayerNorm(width)
-        for module in (self.wte, self.wpe, self.ln_f):
-            module.requires_grad_(False)
+        for frozen in (self.wte, self.wpe, self.ln_f):
+            frozen.requires_grad_(False)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
