@@ -25,6 +25,7 @@ from typing import Any
 
 from ds_tensorshard.bench.worker import (
     CONFIGS,
+    LORA_RANK,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
     TWO_MODEL_CONFIGS,
@@ -37,6 +38,7 @@ LABELS = {
     "zero1": "stock ZeRO-1",
     "zero2": "stock ZeRO-2",
     "ddp_zero": "DDP + ZeroRedundancyOptimizer",
+    "fsdp2": "PyTorch FSDP2 (ZeRO-2 form)",
     "ts_torch": "ds_tensorshard (torch)",
     "ts_mpi": "ds_tensorshard (mpi)",
     "zero2_offload": "stock ZeRO-2 + offload",
@@ -119,6 +121,7 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
         "world_size": ranks[0]["world_size"],
         "numel": ranks[0]["numel"],
         "step_s": median("step_s"),
+        "cpu_s": median("cpu_s"),
         **{k: median(k) for k in PHASES},
         "sent_bytes_per_rank": median("sent_bytes"),
         "host_bytes_per_rank": median("host_bytes"),
@@ -136,6 +139,7 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
             else {}
         ),
         "losses": ranks[0]["steps"][-1]["losses"],
+        "losses_by_step": ranks[0]["losses_by_step"],
     }
 
 
@@ -147,24 +151,29 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
             f"{args.width} and {second['layers']} layers x width {second['width']}, together"
         )
+    elif args.model == "lora":
+        models = (
+            f"Model: LoRA-like, frozen base of {args.layers} linear layers of width {args.width}, vocab {args.vocab}, "
+            f"{2 * args.layers:,} trainable rank-{LORA_RANK} adapter tensors, optimizer {args.optimizer};"
+        )
     else:
         models = (
             f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
         )
     lines = [
-        f"{models} {results[0]['numel'] / 1e6:.1f}M parameters; "
+        f"{models} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}parameters; "
         f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
         f"median of {args.steps} steps after {args.warmup} warm-up. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
-        "| configuration | step s | fwd+bwd | reduce | optimizer | gather | peak RSS/rank MiB | "
+        "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
         "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |",
-        "|---" * 10 + "|",
+        "|---" * 11 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
-            f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | "
+            f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
             f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
             f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |"
         )
@@ -186,6 +195,9 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             ),
         ]
     lines += [
+        "",
+        "Loss of the first model at the first steps, rank 0: "
+        + "; ".join(f"{r['label']} " + ", ".join(f"{s[0]:.6f}" for s in r["losses_by_step"][:2]) for r in results),
         "",
         "Step-time ratio (row / column):",
         "",

@@ -1,12 +1,13 @@
 """One rank of one benchmark configuration (started by ``ds-tensorshard bench`` under mpiexec).
 
-Trains the GPT of :mod:`ds_tensorshard.commands.models` for ``--steps`` timed steps after ``--warmup`` steps and
-writes ``OUT/CONFIG.rankR.json``: per-step wall times split into forward+backward, reduce (time
-spent after backward finishing gradient reduction; reduction overlapped with backward counts in
-forward+backward), optimizer and gather, plus peak RSS, optimizer-state bytes and the bytes this
-rank sent through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and
-all-gather (n-1)/n of the full buffer; a reduce is sent once by every rank but its root, a
-broadcast once by every rank but the one before its root, the last of the ring).
+Trains the GPT (or, ``--model lora``, the LoRA-like model) of :mod:`ds_tensorshard.commands.models` for
+``--steps`` timed steps after ``--warmup`` steps and writes ``OUT/CONFIG.rankR.json``: per-step wall times
+split into forward+backward, reduce (time spent after backward finishing gradient reduction; reduction
+overlapped with backward counts in forward+backward), optimizer and gather, the process's CPU time per step
+(every thread), every step's losses, plus peak RSS, optimizer-state bytes and the bytes this rank sent
+through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of
+the full buffer; a reduce is sent once by every rank but its root, a broadcast once by every rank but the
+one before its root, the last of the ring).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.tensor import DTensor
 
-CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "ts_torch", "ts_mpi")
+from ds_tensorshard.commands.models import GPT, LORA_RANK, LoRAStack
+
+CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi")
 # two models (the second half as wide and half as deep) trained in the same processes
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 # ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch transport)
@@ -37,6 +41,8 @@ _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
     "reduce_scatter_tensor": lambda n, root, me: (n - 1) / n,
     "all_gather_into_tensor": lambda n, root, me: (n - 1) / n,
+    "reduce_scatter_single": lambda n, root, me: (n - 1) / n,  # FSDP2 calls these (torch 2.13)
+    "all_gather_single": lambda n, root, me: (n - 1) / n,
     "broadcast": lambda n, root, me: float(me != (root - 1) % n),
     "reduce": lambda n, root, me: float(me != root),
 }
@@ -46,6 +52,8 @@ _FULL_BUFFER = {
     "reduce": "tensor",
     "reduce_scatter_tensor": "input",
     "all_gather_into_tensor": "output_tensor",
+    "reduce_scatter_single": "input",
+    "all_gather_single": "output_tensor",
 }
 _ROOT = {"broadcast": "src", "reduce": "dst"}
 
@@ -53,7 +61,9 @@ _ROOT = {"broadcast": "src", "reduce": "dst"}
 def _count_torch_collectives() -> None:
     """Wrap torch.distributed collectives (before DeepSpeed binds them) to add up bytes sent."""
     for name, factor in _FACTORS.items():
-        original = getattr(tdist, name)
+        original = getattr(tdist, name, None)
+        if original is None:  # an older torch, whose FSDP2 calls the *_tensor ones
+            continue
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -144,9 +154,12 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
 
 def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     """Optimizer state held beyond the model's own tensors."""
-    model_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2: this rank's shard)
+    model_storage = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     if name == "ddp_zero":
         tensors = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    elif name == "fsdp2":
+        tensors = [local(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     else:
         inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
@@ -181,6 +194,7 @@ RUN_ARGUMENTS = (
     "warmup",
     "bucket_numel",
     "optimizer",
+    "model",
 )
 OPTIMIZERS = {  # --optimizer -> the config's optimizer block
     "adamw": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
@@ -208,6 +222,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="adamw",
         help="inner optimizer of every DeepSpeed configuration (muon: the blocks' matrices)",
     )
+    parser.add_argument(
+        "--model",
+        choices=["gpt", "lora"],
+        default="gpt",
+        help="gpt: the GPT, every tensor trained; lora: a frozen base of --layers linear layers of --width, each "
+        f"with a trainable rank-{LORA_RANK} adapter (2 x --layers small tensors)",
+    )
 
 
 def second_model_shape(width: int, layers: int) -> dict:
@@ -228,22 +249,52 @@ class Setup:
     host_bytes: Callable[[], int] = lambda: 0  # copied between the accelerator and the host so far (offload)
 
 
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_model(args: argparse.Namespace, shape: dict) -> torch.nn.Module:
+    if args.model == "lora":
+        return LoRAStack(vocab=args.vocab, seq=args.seq, width=shape["width"], layers=shape["layers"])
+    return GPT(vocab=args.vocab, seq=args.seq, **shape)
+
+
+def build_fsdp2(model: torch.nn.Module, world: int, device: torch.device) -> Setup:
+    """PyTorch FSDP2 in its ZeRO-2 form: ``fully_shard`` on every block and on the root, parameters kept
+    unsharded from forward through backward (``reshard_after_forward=False``), AdamW on the sharded ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.get_submodule("blocks").children():
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.01)
+
+    def train(tokens: torch.Tensor) -> list[float]:
+        loss = model(tokens)
+        loss.backward()
+        return [loss.item()]
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Setup([model], train, step, lambda: state_bytes("fsdp2", optimizer, model))
+
+
 def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01
-    )
+    optimizer = ZeroRedundancyOptimizer(trainable(model), optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.01)
     clock.wrap(optimizer, "_sync_params", "gather")
 
     def train(tokens: torch.Tensor) -> list[float]:
         loss = ddp(tokens)
         loss.backward()  # DDP all-reduces from C++, out of the Python counters' sight: modelled here
-        _SENT["ddp_all_reduce"] += (
-            2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
-        )
+        _SENT["ddp_all_reduce"] += 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in trainable(model))
         return [loss.item()]
 
     def step() -> None:
@@ -267,7 +318,7 @@ def build_deepspeed(
     items = [
         dict(
             model=m,
-            model_parameters=m.parameters(),
+            model_parameters=trainable(m),
             config=ds_config(name, micro, args.dtype, args.bucket_numel, args.optimizer),
         )
         for m in models
@@ -342,15 +393,20 @@ def main() -> None:
 
     _count_torch_collectives()
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from ds_tensorshard.commands.models import GPT, synthetic_batch
+    from ds_tensorshard.commands.models import synthetic_batch
     from ds_tensorshard.datapath import broadcast
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     _count_mpi_collectives()
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
+    on_gpu = get_accelerator().device_name() == "cuda"  # DS_ACCELERATOR=cuda: one GPU per rank, NCCL
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", distributed_port=args.port)
     world, rank = tdist.get_world_size(), tdist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
     micro = args.global_batch // world
@@ -358,31 +414,36 @@ def main() -> None:
     shapes = [dict(width=args.width, layers=args.layers, heads=max(1, args.width // 64))]
     if args.config in TWO_MODEL_CONFIGS:
         shapes.append(second_model_shape(args.width, args.layers))
-    models = [GPT(vocab=args.vocab, seq=args.seq, **shape) for shape in shapes]
+    models = [build_model(args, shape).to(device) for shape in shapes]
     clock = Clock()
     clock.wrap(broadcast.Broadcast, "finish", "gather")
     clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
-    if args.config == "ddp_zero":
-        setup = build_ddp(models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0], world, clock)
+    if args.config in ("ddp_zero", "fsdp2"):
+        model = models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0]
+        setup = build_ddp(model, world, clock) if args.config == "ddp_zero" else build_fsdp2(model, world, device)
     else:
         setup = build_deepspeed(args.config, models, micro, args, clock)
     generator = torch.Generator().manual_seed(100 + rank)
-    rows = []
+    rows, losses_by_step = [], []
     for index in range(args.warmup + args.steps):
-        tokens = synthetic_batch(micro, args.seq, args.vocab, generator)
+        tokens = synthetic_batch(micro, args.seq, args.vocab, generator).to(device)
         clock.spent.clear()
         sent_before, host_before = sum(_SENT.values()), setup.host_bytes()
         tdist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses = setup.train(tokens)
+        get_accelerator().synchronize()
         after_backward = time.perf_counter()
         setup.step()
-        end = time.perf_counter()
+        get_accelerator().synchronize()
+        end, cpu_end = time.perf_counter(), time.process_time()
+        losses_by_step.append(losses)
         if index >= args.warmup:
             reduce, gather_s = clock.spent["reduce"], clock.spent["gather"]
             rows.append(
                 {
                     "step_s": end - start,
+                    "cpu_s": cpu_end - cpu_start,
                     "fwd_bwd_s": after_backward - start - reduce,
                     "reduce_s": reduce,
                     "optimizer_s": end - after_backward - gather_s,
@@ -397,7 +458,8 @@ def main() -> None:
         "rank": rank,
         "world_size": world,
         "steps": rows,
-        "numel": sum(p.numel() for m in setup.models for p in m.parameters()),
+        "losses_by_step": losses_by_step,
+        "numel": sum(p.numel() for m in setup.models for p in trainable(m)),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "optimizer_state_bytes": setup.state_bytes(),
     }

@@ -54,6 +54,50 @@ class GPT(nn.Module):
         return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+LORA_RANK = 16  # the adapters' rank: at width 128, 2,048 elements per adapter tensor
+
+
+class LoRALayer(nn.Module):
+    """A frozen square linear layer with a trainable low-rank adapter, pre-normed (no parameters) and residual:
+    ``x + gelu(W h + B A h)``, ``h = layer_norm(x)``."""
+
+    def __init__(self, width: int, rank: int = LORA_RANK) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, width) / math.sqrt(width))
+        self.lora_b = nn.Parameter(torch.zeros(width, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, x.shape[-1:])
+        return x + F.gelu(self.base(h) + (h @ self.lora_a.t()) @ self.lora_b.t())
+
+
+class LoRAStack(nn.Module):
+    """A LoRA-like language model: a frozen base (embeddings, ``layers`` square linear layers, final norm,
+    tied head) and two small trainable tensors per layer, its adapter's A and B."""
+
+    def __init__(self, vocab: int, seq: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(LoRALayer(width) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        for frozen in (self.wte, self.wpe, self.ln_f):
+            frozen.requires_grad_(False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy of ``tokens`` (batch, time), the head tied to the embedding."""
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
 def build(preset: str = "demo", device: str | torch.device = "cpu", **overrides: int) -> GPT:
     """A model of a named shape; ``device="meta"`` gives shapes without allocating memory."""
     with torch.device(device):

@@ -39,8 +39,8 @@ class Broadcast:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             mine = bucket.segment_of(self.comm.rank)
             if mine is not None:
-                for piece, view in mine.views(flat[mine.offset : mine.offset + mine.numel]):
-                    view.copy_(piece.of(piece.param.data))
+                own = [piece.of(piece.param.data) for piece in mine.pieces]
+                torch.cat(own, out=flat[mine.offset : mine.offset + mine.numel])
             self.in_flight.append((index, bucket, flat, self.comm.start_broadcast_segments(flat, bucket.spans)))
 
     @torch.no_grad()
@@ -50,8 +50,8 @@ class Broadcast:
             wait_or_fail(pending.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
-                    for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):
-                        piece.of(piece.param.data).copy_(view)
+                    pieces, views = zip(*segment.views(flat[segment.offset : segment.offset + segment.numel]))
+                    torch._foreach_copy_([piece.of(piece.param.data) for piece in pieces], list(views))
             self._fill()
 
 

@@ -53,11 +53,8 @@ class Segment:
     pieces: tuple[Piece, ...]
 
     def views(self, flat_segment: torch.Tensor) -> Iterator[tuple[Piece, torch.Tensor]]:
-        """``(piece, its part of flat_segment)`` for each piece, in order."""
-        position = 0
-        for piece in self.pieces:
-            yield piece, flat_segment[position : position + piece.numel]
-            position += piece.numel
+        """``(piece, its part of flat_segment)`` for each piece, in order (the parts made in one call)."""
+        yield from zip(self.pieces, flat_segment.split([piece.numel for piece in self.pieces]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,16 +83,13 @@ class Bucket:
         self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None], dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
-        (zeros where there is none)."""
+        (zeros where there is none), concatenated in one call: the segments lie back to back in piece order."""
         flat = torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
-        for segment in self.segments:
-            for piece, view in segment.views(flat[segment.offset : segment.offset + segment.numel]):
-                source = tensor_of(piece.param)
-                if source is None:
-                    view.zero_()
-                else:
-                    view.copy_(piece.of(source))
-        return flat
+        parts = []
+        for piece in self.pieces():
+            source = tensor_of(piece.param)
+            parts.append(flat.new_zeros(piece.numel) if source is None else piece.of(source))
+        return torch.cat(parts, out=flat)
 
     def pieces(self) -> Iterator[Piece]:
         for segment in self.segments:

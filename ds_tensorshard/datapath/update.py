@@ -111,13 +111,14 @@ class OwnedShard:
         """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
         in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made."""
         where = self.device if self.host is None else torch.device("cpu")
-        totals = torch.zeros(len(self.optimizer.param_groups), dtype=torch.float64, device=where)
+        totals = [torch.zeros((), dtype=torch.float64, device=where) for _ in self.optimizer.param_groups]
         for param, master in self.masters.items():
             if master.grad is not None and counted(param):
-                for chunk in master.grad.reshape(-1).split(NORM_CHUNK):
+                flat = master.grad.reshape(-1)
+                for chunk in flat.split(NORM_CHUNK) if flat.numel() > NORM_CHUNK else (flat,):
                     wide = chunk.double()
-                    totals[self.group_of[param]] += torch.dot(wide, wide)
-        return totals.to(self.device)
+                    totals[self.group_of[param]].add_(torch.dot(wide, wide))
+        return torch.stack(totals).to(self.device)
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
@@ -212,8 +213,9 @@ class OwnedShard:
             stepped = [m for m in group["params"] if "step" in state.get(m, {})]
             steps = [state[m]["step"] for m in stepped]
             if steps and all(isinstance(step, int) for step in steps):
+                count = max(steps)
                 for master in stepped:
-                    state[master]["step"] = max(steps)
+                    state[master]["step"] = count
 
     def drop_grads(self) -> None:
         self.accumulated.clear()

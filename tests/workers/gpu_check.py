@@ -4,12 +4,15 @@
     python -m tests.workers.gpu_check checkpoint OUT  save at step 3 and resume on CUDA vs the uninterrupted run
     python -m tests.workers.gpu_check fused OUT       DeepSpeed's FusedLamb (vs stage 0), FusedLion (vs ZeRO-2), CUDA
     python -m tests.workers.gpu_check offload OUT     ZeRO-Offload on CUDA (pinned host masters) vs stock's
+    python -m tests.workers.gpu_check bench-gpt OUT   the benchmark at one rank (NCCL): stock ZeRO-2, FSDP2, ours
+    python -m tests.workers.gpu_check bench-lora OUT  the same on the LoRA-like model (2,000 adapter tensors)
 
 Each prints a last line ``NOTE ...`` with what it measured and exits non-zero on a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -105,9 +108,40 @@ def check_offload(out: str) -> None:
     print(f"NOTE pinned host masters; max |param diff| vs stock offload {worst:.1e}")
 
 
+def check_bench(out: str, model: str) -> None:
+    """``ds-tensorshard bench`` on the GPU at one rank (NCCL): stock ZeRO-2, PyTorch FSDP2 in its ZeRO-2 form and
+    ds_tensorshard (torch transport) on the GPT or the LoRA-like model; FSDP2's and ours' losses at steps 0 and 1
+    against stock's, then the step times and their ratios."""
+    shape = ["--model", "lora", "--layers", "1000", "--width", "128"] if model == "lora" else []
+    command = [sys.executable, "-m", "ds_tensorshard.commands.cli", "bench", "--ranks", "1", *shape]
+    command += ["--configs", "zero2", "fsdp2", "ts_torch", "--steps", "5", "--warmup", "2", "--out", out]
+    proc = run_in_group(command, env={**launcher_env(), "DS_ACCELERATOR": "cuda"}, timeout=220)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    with open(os.path.join(out, "results.json")) as f:
+        results = {r["config"]: r for r in json.load(f)["results"]}
+    stock = results["zero2"]
+    for name in ("fsdp2", "ts_torch"):
+        for loss, reference in zip(results[name]["losses_by_step"][:2], stock["losses_by_step"][:2]):
+            assert abs(loss[0] - reference[0]) <= GPU_VS_CPU["loss"], (name, loss, reference)
+    step = {name: r["step_s"] for name, r in results.items()}
+    print(
+        f"NOTE {model}: step s stock ZeRO-2 {step['zero2']:.4f}, FSDP2 {step['fsdp2']:.4f}, ds_tensorshard "
+        f"{step['ts_torch']:.4f}; ours / FSDP2 {step['ts_torch'] / step['fsdp2']:.2f}, ours / stock "
+        f"{step['ts_torch'] / step['zero2']:.2f}"
+    )
+
+
 if __name__ == "__main__":
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p
     )  # ranks import tests
-    checks = {"mpi": check_mpi, "checkpoint": check_checkpoint, "fused": check_fused, "offload": check_offload}
+    checks = {
+        "mpi": check_mpi,
+        "checkpoint": check_checkpoint,
+        "fused": check_fused,
+        "offload": check_offload,
+        "bench-gpt": lambda out: check_bench(out, "gpt"),
+        "bench-lora": lambda out: check_bench(out, "lora"),
+    }
     checks[sys.argv[1]](sys.argv[2])
