@@ -23,7 +23,7 @@ WORKER = os.path.join(WORKERS, "moe_worker.py")
 EXPERT = "moe.deepspeed_moe.experts."
 DEFAULT = {2: ["fp32:ts:2:2:2:2", "bf16:ts:1:2:1:1"], 4: ["fp32:ts:2:2:2:1"]}  # ~35 s; the rest: MATRIX
 MATRIX = {
-    2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
+    2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16", "fp16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
     4: [f"{d}:ts:{s}:2:2:{k}" for d in ("fp32", "bf16") for s in (1, 2) for k in (1, 2)],
 }
 
@@ -114,7 +114,8 @@ def test_moe_trains_as_stock(tmp_path, world):
 @pytest.mark.extended
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_moe_matrix_trains_as_stock(tmp_path, world):
-    """fp32 and bf16, stages 1 and 2, top-1 and top-2 gating, every expert-parallel size of the world."""
+    """fp32 and bf16 (and at 2 ranks fp16, its first steps overflowing), stages 1 and 2, top-1 and top-2 gating,
+    every expert-parallel size of the world."""
     load = run(tmp_path, world, MATRIX[world])
     for case in MATRIX[world]:
         assert_matches_stock(load, world, case)
