@@ -51,6 +51,9 @@ def run(out, world: int, cases: list[str]):
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
+SPREAD = 4  # bf16 at 4 ranks: differences held to 4x stock's own spread (measured up to 2.0x)
+
+
 def largest(a: dict, b: dict) -> tuple[float, float]:
     """The largest loss and parameter differences between two runs."""
     loss = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
@@ -59,14 +62,15 @@ def largest(a: dict, b: dict) -> tuple[float, float]:
 
 def assert_within_stocks_spread(ours: dict, stock: dict, reducing: dict, where: str) -> None:
     """As close to stock as stock's two reduction patterns (use_multi_rank_bucket_allreduce true and false) are
-    to each other, within 2x (ours is a third summation order); never held tighter than the bf16 tolerance."""
+    to each other: ours is a third summation order, measured up to 2.0x that spread (4 ranks, the matrix), held
+    to 4x as compare.py holds measured figures; never held tighter than the bf16 tolerance."""
     tol = TOLERANCE["bf16"]
     torch.testing.assert_close(
         torch.tensor(ours["norms"]), torch.tensor(stock["norms"]), rtol=tol["norm"], atol=0, msg=where
     )
     (loss, param), (stock_loss, stock_param) = largest(ours, stock), largest(reducing, stock)
-    assert loss <= max(tol["loss"], 2 * stock_loss), f"{where}: losses {loss:.2e}, stock's spread {stock_loss:.2e}"
-    assert param <= max(tol["atol"], 2 * stock_param), f"{where}: params {param:.2e}, stock's spread {stock_param:.2e}"
+    assert loss <= max(tol["loss"], SPREAD * stock_loss), f"{where}: losses {loss:.2e}, stock's {stock_loss:.2e}"
+    assert param <= max(tol["atol"], SPREAD * stock_param), f"{where}: params {param:.2e}, stock's {stock_param:.2e}"
 
 
 def assert_matches_stock(load, world: int, case: str) -> None:
