@@ -23,7 +23,7 @@ WORKER = os.path.join(WORKERS, "moe_worker.py")
 EXPERT = "moe.deepspeed_moe.experts."
 DEFAULT = {2: ["fp32:ts:2:2:2:2", "bf16:ts:1:2:1:1"], 4: ["fp32:ts:2:2:2:1"]}  # ~35 s; the rest: MATRIX
 MATRIX = {
-    2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
+    2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16", "fp16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
     4: [f"{d}:ts:{s}:2:2:{k}" for d in ("fp32", "bf16") for s in (1, 2) for k in (1, 2)],
 }
 
@@ -51,6 +51,9 @@ def run(out, world: int, cases: list[str]):
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
+SPREAD = 4  # bf16 at 4 ranks: differences held to 4x stock's own spread (measured up to 2.0x)
+
+
 def largest(a: dict, b: dict) -> tuple[float, float]:
     """The largest loss and parameter differences between two runs."""
     loss = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
@@ -59,20 +62,21 @@ def largest(a: dict, b: dict) -> tuple[float, float]:
 
 def assert_within_stocks_spread(ours: dict, stock: dict, reducing: dict, where: str) -> None:
     """As close to stock as stock's two reduction patterns (use_multi_rank_bucket_allreduce true and false) are
-    to each other, within 2x (ours is a third summation order), and never looser than the bf16 tolerance."""
+    to each other: ours is a third summation order, measured up to 2.0x that spread (4 ranks, the matrix), held
+    to 4x as compare.py holds measured figures; never held tighter than the bf16 tolerance."""
     tol = TOLERANCE["bf16"]
     torch.testing.assert_close(
         torch.tensor(ours["norms"]), torch.tensor(stock["norms"]), rtol=tol["norm"], atol=0, msg=where
     )
     (loss, param), (stock_loss, stock_param) = largest(ours, stock), largest(reducing, stock)
-    assert loss <= max(tol["loss"], 2 * stock_loss), f"{where}: losses {loss:.2e}, stock's spread {stock_loss:.2e}"
-    assert param <= max(tol["atol"], 2 * stock_param), f"{where}: params {param:.2e}, stock's spread {stock_param:.2e}"
+    assert loss <= max(tol["loss"], SPREAD * stock_loss), f"{where}: losses {loss:.2e}, stock's {stock_loss:.2e}"
+    assert param <= max(tol["atol"], SPREAD * stock_param), f"{where}: params {param:.2e}, stock's {stock_param:.2e}"
 
 
 def assert_matches_stock(load, world: int, case: str) -> None:
     """Every rank against stock's; at 2 ranks bit for bit (norms: 2 fp32 ulps, README), else the fp32/bf16
     tolerances of tests/helpers/compare.py."""
-    dtype, _, _, experts, ep, _ = case.split(":")
+    dtype, _, _, _, ep, _ = case.split(":")
     for rank in range(world):
         ours, stock = load(case, rank), load(stock_of(case), rank)
         where = f"{case} rank {rank}"
@@ -114,7 +118,8 @@ def test_moe_trains_as_stock(tmp_path, world):
 @pytest.mark.extended
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_moe_matrix_trains_as_stock(tmp_path, world):
-    """fp32 and bf16, stages 1 and 2, top-1 and top-2 gating, every expert-parallel size of the world."""
+    """fp32 and bf16 (and at 2 ranks fp16, its first steps overflowing), stages 1 and 2, top-1 and top-2 gating,
+    every expert-parallel size of the world."""
     load = run(tmp_path, world, MATRIX[world])
     for case in MATRIX[world]:
         assert_matches_stock(load, world, case)
