@@ -1,4 +1,4 @@
-"""The benchmark: stock DeepSpeed, DDP + ZeroRedundancyOptimizer and ds_tensorshard side by side.
+"""The benchmark: stock DeepSpeed, DDP + ZeroRedundancyOptimizer, FSDP2 and ds_tensorshard side by side.
 
 :mod:`.runner` is the ``ds-tensorshard bench`` command; :mod:`.worker` is one configuration's rank, run
 under ``mpiexec``. The worker wraps torch and DeepSpeed internals to time and count them, so it stays out

@@ -1,7 +1,7 @@
-"""``ds-tensorshard bench``: stock DeepSpeed stage 0 / ZeRO-1 / ZeRO-2, PyTorch DDP + ZeroRedundancyOptimizer
-and ds_tensorshard (torch and mpi backends), side by side on the same model, data and ranks; or, with
-``--configs two_...``, two models trained in the same processes (stock ZeRO-2 each; ds_tensorshard with a
-plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
+"""``ds-tensorshard bench``: stock DeepSpeed stage 0 / ZeRO-1 / ZeRO-2, PyTorch DDP + ZeroRedundancyOptimizer,
+PyTorch FSDP2 in its ZeRO-2 form and ds_tensorshard (torch and mpi backends), side by side on the same model,
+data and ranks; or, with ``--configs two_...``, two models trained in the same processes (stock ZeRO-2 each;
+ds_tensorshard with a plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
 processes, so peak RSS is its own); this module launches them one after another, then writes
