@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -319,15 +320,19 @@ def test_shared_store_restart_reads_stale_gloo_addresses(hosts, tmp_path, fresh_
     rank-0 agent's c10d rendezvous keeps one TCPStore server for its workers across restarts, and the restarted
     workers' process group keys are the same as their predecessors', so a rank that starts first reads the dead
     rank's gloo address and connects to a port no one listens on. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives
-    every round a new store. One host, torchrun, the probe: round 0 exits 1; in round 1 rank 0 starts late."""
+    every round a new store. One host, torchrun, the probe: round 0 exits 1; in round 1 rank 0 joins late."""
     env = {**launcher_env(), **(FRESH_STORE if fresh_store else {})}
     cmd = torchrun(f"{hosts[0]}:{free_port()}", 1, [])
     cmd[cmd.index(WORKER)] = PROBE
     cmd[1] = "--nnodes=1"
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
+    masters = [re.search(rf"PROBE restart={r} rank=0 master=(\S+)", out) for r in (0, 1)]
+    assert all(masters), out[-5000:]
+    same_store = masters[0].group(1) == masters[1].group(1)  # type: ignore[union-attr]
     if fresh_store:
-        assert proc.returncode == 0 and "PROBE restart=1 rank=1 connected" in out, out[-5000:]
+        assert proc.returncode == 0 and "PROBE restart=1 rank=1 connected" in out and not same_store, out[-5000:]
     else:
-        assert proc.returncode != 0 and "connectFullMesh" in out and "Connection refused" in out, out[-5000:]
-    record("probe", fresh_store=fresh_store, rc=proc.returncode)
+        assert proc.returncode != 0 and same_store, out[-5000:]
+        assert re.search(r"Gloo connectFullMesh failed .*Connection refused", out), out[-5000:]
+    record("probe", fresh_store=fresh_store, rc=proc.returncode, same_store=same_store)
