@@ -224,6 +224,7 @@ def test_lost_host_resumes_at_2_then_at_4_when_it_returns(hosts, tmp_path, unint
     finally:
         for agent in (a, b, *agents):
             agent.stop()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in a.text()  # the plugin's warning: not with a new store
     first, down, back = starts(log)[:3] if len(starts(log)) == 3 else pytest.fail(f"starts: {starts(log)}")
     # DeepSpeed derived GAS from train_batch_size 8 and micro batch 1 at each world size: the global batch kept
     assert [(s["world"], s["gas"]) for s in (first, down, back)] == [(4, 2), (2, 4), (4, 2)], starts(log)
