@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers import WORKERS
 from tests.helpers.compare import ACROSS_WORLDS
-from tests.helpers.ranks import free_port, launcher_env, run_ranks
+from tests.helpers.ranks import free_port, launcher_env, run_in_group, run_ranks
 
 pytestmark = pytest.mark.multihost
 WORKER = os.path.join(WORKERS, "elastic_worker.py")
@@ -68,7 +68,7 @@ class Agent:
     killed by their ids."""
 
     def __init__(self, host: str, local: bool, cmd: list[str], env: dict, folder: Path, name: str) -> None:
-        self.host, self.local, self.folder = host, local, folder
+        self.host, self.local, self.folder, self.killed = host, local, folder, False
         self.pids = folder / f"pids-{name}"
         self.agent_pid_file = folder / f"agent-{name}.pid"
         self.log = folder / f"agent-{name}.log"
@@ -89,11 +89,16 @@ class Agent:
         return [int(p.name) for p in folder.iterdir()] if folder.is_dir() else []
 
     def kill_host(self) -> None:
-        """SIGKILL this agent and every worker it started, at once (a lost host), by their ids."""
+        """SIGKILL this agent and every worker of it still running, at once (a lost host), by their ids (each
+        checked to be torchrun's or elastic_worker's first: a pid of an ended one may have been reused)."""
         pids = [int(self.agent_pid_file.read_text()), *self.worker_pids()]
-        kill = f"kill -KILL {' '.join(map(str, pids))} 2>/dev/null; true"
+        kill = (
+            f"for p in {' '.join(map(str, pids))}; do grep -qs -e torchrun -e elastic_worker /proc/$p/cmdline && "
+            "echo $p; done | xargs -r kill -KILL 2>/dev/null; true"
+        )
         cmd = ["sh", "-c", kill] if self.local else ["ssh", self.host, kill]
         subprocess.run(cmd, timeout=60, check=True)
+        self.killed = True
 
     def wait(self, deadline: float) -> int | None:
         try:
@@ -103,7 +108,7 @@ class Agent:
 
     def stop(self) -> None:
         """Whatever is left of this agent and its workers (after a failure or a timeout)."""
-        if self.proc.poll() is None or self.worker_pids():
+        if self.proc.poll() is None and not self.killed:  # an agent that ended took its workers with it
             try:
                 self.kill_host()
             except (OSError, ValueError, subprocess.SubprocessError):
@@ -326,7 +331,7 @@ def test_shared_store_restart_reads_stale_gloo_addresses(hosts, tmp_path, fresh_
     cmd = torchrun(f"{hosts[0]}:{free_port()}", 1, [])
     cmd[cmd.index(WORKER)] = PROBE
     cmd[1] = "--nnodes=1"
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_in_group(cmd, timeout=300, env=env, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     masters = [re.search(rf"PROBE restart={r} rank=0 master=(\S+)", out) for r in (0, 1)]
     assert all(masters), out[-5000:]
