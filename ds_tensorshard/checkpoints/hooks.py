@@ -7,7 +7,8 @@ staging folder become the tag's folder (replacing an earlier save of the same ta
 leaves nothing of it behind; so does a save in which rank 0 does not find every file another rank
 wrote, at its size (a save folder not shared between hosts), naming those ranks and the folder. The
 staging folder of a save whose rank was killed stays until the next complete save of that tag
-removes it (it is never taken for a checkpoint).
+removes it (it is never taken for a checkpoint); the surviving ranks' save fails with an error that quotes
+the transport's (which names the lost peer's address) where a collective of the save failed.
 ``load_checkpoint``: the checkpoint (ds_tensorshard, stock ZeRO-1/2 or universal) is opened and
 checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
@@ -127,6 +128,8 @@ def wrap_save_checkpoint(original):
                 False,
                 exclude_frozen_parameters,
             )
+        except RuntimeError as err:  # the writes do not raise (above): a barrier of DeepSpeed's save failed
+            raise _lost_rank(final, staging, err) from err
         finally:
             del self.checkpoint_engine.save
         if self.global_rank == 0:  # where DeepSpeed's save just copied its own zero_to_fp32.py
@@ -135,7 +138,10 @@ def wrap_save_checkpoint(original):
             except Exception as err:  # noqa: BLE001 - as for the checkpoint files
                 failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
         reports: list = [None] * dist.get_world_size()
-        torch.distributed.all_gather_object(reports, (failures, written))  # every file complete, on every rank?
+        try:
+            torch.distributed.all_gather_object(reports, (failures, written))  # every file complete, on every rank?
+        except RuntimeError as err:
+            raise _lost_rank(final, staging, err) from err
         verdict: list[str | None] = [None]
         if self.global_rank == 0:
             verdict[0] = _save_failure(save_dir, final, staging, reports)
@@ -154,6 +160,16 @@ def wrap_save_checkpoint(original):
         return True
 
     return save_checkpoint
+
+
+def _lost_rank(final: str, staging: str, err: RuntimeError) -> CheckpointError:
+    """A collective of the save failed before every rank reported (a rank or host lost mid-save): rank 0 cannot
+    commit without every report, so the staging folder stays, never taken for a checkpoint (as a killed rank's)."""
+    return CheckpointError(
+        f"saving checkpoint {final} failed: a rank was lost before every rank reported its files "
+        f"({type(err).__name__}: {' '.join(str(err).split())[:400]}); it stays in {staging}, never loaded, "
+        "and 'latest' was not moved"
+    )
 
 
 def _save_failure(save_dir: str, final: str, staging: str, reports: list) -> str | None:

@@ -293,3 +293,13 @@ def test_cpu_optimizer_without_offload_is_refused():
     config = {k: v for k, v in base_config().items() if k != "optimizer"}
     with pytest.raises(TensorShardConfigError, match="DeepSpeedCPUAdam updates tensors in host memory only"):
         initialize(config, optimizer=lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3))
+
+
+def test_elastic_store_warning_only_where_torchrun_restarts_with_the_shared_store():
+    from ds_tensorshard.config import elastic_store_warning
+
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic_store_warning(shared)
+    assert elastic_store_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a new store a round
+    assert elastic_store_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # never restarted
+    assert elastic_store_warning({}) is None  # not under torchrun
