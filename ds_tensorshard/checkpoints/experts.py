@@ -10,6 +10,7 @@ masters and moments, whichever rank of its expert-data-parallel group owned them
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from deepspeed.moe.layer import MoE
@@ -43,6 +44,18 @@ def every_expert_name(module: torch.nn.Module, name: str) -> list[str]:
             n = layer.num_local_experts
             return [_with_index(name, prefix + EXPERTS, e * n + local) for e in range(ep_size)]
     return [name]
+
+
+def expert_name(name: str, group: Iterable[str], ep_rank: int) -> str:
+    """A stock ZeRO file's expert tensor ``name`` (a local name of expert-parallel rank 0, in ``param_shapes``
+    ``group``) as held by expert-parallel rank ``ep_rank``, by global expert index: its layer's local experts are
+    those ``group`` names."""
+    match = re.match(rf"(.*?{re.escape(EXPERTS)})(\d+)\.", name)
+    if match is None:
+        return name
+    start = match.group(1)
+    local = {_local_index(n, start) for n in group} - {None}
+    return _with_index(name, start, ep_rank * len(local) + int(match.group(2)))
 
 
 def _moe_layers(module: torch.nn.Module) -> list[tuple[str, MoE, int]]:

@@ -250,7 +250,7 @@ def wrap_load_checkpoint(original):
             source = None
         else:
             source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal, mp_rank=_mp_rank(self))
-            source.check_model(*self.optimizer.expected_checkpoint_layout())
+            self.optimizer.check_checkpoint(source)
         _OPENED[self] = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
@@ -285,7 +285,7 @@ def wrap_load_zero_checkpoint(original):
             source = open_checkpoint(
                 os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=_mp_rank(self)
             )
-            source.check_model(*self.optimizer.expected_checkpoint_layout())
+            self.optimizer.check_checkpoint(source)
         self.optimizer.load_from_source(source, load_optimizer_states)
         return True
 

@@ -28,11 +28,17 @@ class CheckpointMethods:
         """This rank's file (a :class:`~ds_tensorshard.checkpoints.rank_file.RankFile`)."""
         return rank_file(self)
 
-    def expected_checkpoint_layout(  # type: ignore[misc]
-        self: TensorShardOptimizer,
-    ) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
-        """Param-group membership and shapes, by name, that a checkpoint must match."""
-        return layout(self)
+    def check_checkpoint(self: TensorShardOptimizer, source: CheckpointSource) -> None:  # type: ignore[misc]
+        """Refuse, before any state is touched, a checkpoint of another model or of another expert-parallel
+        size (its MoE param groups are named after it, ``ep_size_N``, in stock's files and ours)."""
+        source.check_model(*layout(self))
+        theirs = [g.get("name") for g in source.param_groups if g.get("moe")]
+        ours = [g.get("name") for g in self.optimizer.param_groups if g.get("moe")]
+        if source.param_groups and theirs != ours:
+            raise CheckpointError(
+                f"checkpoint {source.folder} has the MoE param groups {theirs}, this engine {ours}: resuming at "
+                "another expert-parallel size is not supported (any data-parallel size with the same one is)"
+            )
 
     def load_from_source(  # type: ignore[misc]
         self: TensorShardOptimizer, source: CheckpointSource, load_optimizer_states: bool = True

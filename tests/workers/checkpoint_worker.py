@@ -30,9 +30,9 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.checkpoints.experts import global_names
 from ds_tensorshard.errors import CheckpointError
 from ds_tensorshard.transports.torch_comm import close_process_group
-from ds_tensorshard.checkpoints.experts import global_names
 from tests.helpers.optimizers import setup
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
