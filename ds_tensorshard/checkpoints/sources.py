@@ -269,8 +269,7 @@ class ZeroSource(CheckpointSource):
                 self.paddings = state.get("param_alignment_paddings")
                 self.counts = counts
             moe = [bool(g.get("moe")) for g in self.param_groups] or [False] * len(counts)
-            bad = next((c for c, m in zip(counts, moe) if c != self.world_size and not (m and self.world_size % c == 0)), 0)
-            if bad:
+            if any(c != self.world_size and not (m and self.world_size % c == 0) for c, m in zip(counts, moe)):
                 raise CheckpointError(f"{path} is partitioned {counts} ways, not over {self.world_size} ranks")
         self.group_names: list[list[str]] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
