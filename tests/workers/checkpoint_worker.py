@@ -98,6 +98,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
     parser.add_argument("--moe", help="EXPERTS:EP:K: moe_worker.py's model with a DeepSpeed MoE layer")
+    parser.add_argument(
+        "--load-refused", action="store_true", help="--load must raise CheckpointError: rank 0 writes its message"
+    )
     return parser.parse_args(argv)
 
 
@@ -120,6 +123,14 @@ def run(args: argparse.Namespace) -> None:
     groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
     groups = moe_param_groups(model) if args.moe else groups
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, optimizer=client)
+    if args.load_refused:
+        try:
+            engine.load_checkpoint(args.load)
+        except CheckpointError as err:
+            if rank == 0:
+                torch.save({"refused": str(err)}, args.out)
+            return
+        raise AssertionError(f"{args.load} was loaded")
     if args.load:
         path, client_state = engine.load_checkpoint(args.load)
         assert path is not None, f"nothing loaded from {args.load}"
