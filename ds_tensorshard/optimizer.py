@@ -173,6 +173,11 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
                 "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
             )
+        if set(self.group_domains) != {DENSE} and type(self.optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
+            raise TensorShardConfigError(
+                f"the Muon optimizer ({type(self.optimizer).__name__}) with a mixture-of-experts model: not checked "
+                "against stock ZeRO-1/2 with expert tensors; use Adam/AdamW, or disable 'tensorshard.enabled'"
+            )
         self.domains: dict[str, Domain] = {}
         for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank
             comm = open_transport(config.comm_backend, process_group_of(name, self.dp_process_group), config.timeout_s)
