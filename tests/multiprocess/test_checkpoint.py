@@ -384,3 +384,34 @@ def test_offloaded_checkpoints_resume_at_any_world_size_with_offload_on_or_off(o
     """A save's masters and moments are the same tensors with or without offload (host memory is where they
     lived, not what they are), so every resume continues the uninterrupted run within ACROSS_WORLDS (compare.py)."""
     assert_continues(offload_runs[resumed], offload_runs[reference], FP32, first_step=3)
+
+
+@pytest.fixture(scope="module")
+def moe_ep2_runs(tmp_path_factory):
+    """Expert parallel 2 saved at 4 ranks (each expert on 2), by ds_tensorshard and stock, resumed at 2 ranks
+    (each expert on 1); a global batch of 8, so that every world size runs micro-batches of 2."""
+    d, env = tmp_path_factory.mktemp("moe_ep2"), {"CKPT_GLOBAL_BATCH": "8"}
+    r = dict(
+        zip(
+            ("ref4", "stock4"),
+            train(
+                4,
+                (d / "r4.pt", "fp32", "ts", 2, "--save", d / "c4", "--save-at", 3, *MOE_EP2),
+                (d / "s4.pt", "fp32", "stock", 2, "--save", d / "s4", "--save-at", 3, *MOE_EP2),
+                env=env,
+            ),
+        )
+    )
+    r["4to2"], r["stock4to2"] = train(
+        2,
+        (d / "l42.pt", "fp32", "ts", 2, "--load", d / "c4", *MOE_EP2),
+        (d / "ls42.pt", "fp32", "ts", 2, "--load", d / "s4", *MOE_EP2),
+        env=env,
+    )
+    return r
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("resumed,reference", [("4to2", "ref4"), ("stock4to2", "stock4")])
+def test_moe_expert_parallel_2_resumes_at_another_data_parallel_size(moe_ep2_runs, resumed, reference):
+    assert_continues(moe_ep2_runs[resumed], moe_ep2_runs[reference], FP32, first_step=3)

@@ -1,6 +1,6 @@
 """Parallelism that is refused (AutoTP, device-mesh sequence parallelism, a PipelineModule at stage 2 or with fp32
-accumulation, MoE with a pipeline, an mpu, offload or Muon; and a single-rank MoE checkpoint), in this process, before any hook or
-state exists.
+accumulation, MoE with a pipeline, an mpu, offload or Muon), in this process, before any hook or state exists;
+and a single-rank MoE checkpoint saved and loaded back.
 """
 
 from __future__ import annotations
