@@ -166,7 +166,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.params = in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
         self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
-        self.all_checkpoint_names = {n: every_expert_name(engine.module, n) for n in self.names.values()}
+        self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
         if joint is not None and set(self.group_domains) != {DENSE}:
             raise TensorShardConfigError(

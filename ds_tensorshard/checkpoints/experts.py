@@ -35,15 +35,19 @@ def global_names(module: torch.nn.Module, names: dict[torch.nn.Parameter, str]) 
     return out
 
 
-def every_expert_name(module: torch.nn.Module, name: str) -> list[str]:
-    """The checkpoint names of ``name`` (a local name) on every expert-parallel rank: one per global expert
-    that takes this local expert's place there; ``[name]`` for a tensor of no expert."""
-    for prefix, layer, ep_size in _moe_layers(module):
-        local = _local_index(name, prefix + EXPERTS)
-        if local is not None:
-            n = layer.num_local_experts
-            return [_with_index(name, prefix + EXPERTS, e * n + local) for e in range(ep_size)]
-    return [name]
+def every_expert_name(module: torch.nn.Module, names: Iterable[str]) -> dict[str, list[str]]:
+    """Each local name's checkpoint names on every expert-parallel rank: one per global expert that takes this
+    local expert's place there; ``[name]`` for a tensor of no expert."""
+    layers = _moe_layers(module)
+    out = {}
+    for name in names:
+        out[name] = [name]
+        for prefix, layer, ep_size in layers:
+            local = _local_index(name, prefix + EXPERTS)
+            if local is not None:
+                n = layer.num_local_experts
+                out[name] = [_with_index(name, prefix + EXPERTS, e * n + local) for e in range(ep_size)]
+    return out
 
 
 def expert_name(name: str, group: Iterable[str], ep_rank: int) -> str:
