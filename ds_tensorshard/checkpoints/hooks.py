@@ -241,6 +241,11 @@ def wrap_load_checkpoint(original):
         if not _enabled(self):
             return call()
         universal = self.load_universal_checkpoint()
+        if universal and getattr(self, "has_moe_layers", False):
+            raise CheckpointError(
+                "ds_tensorshard: loading a universal checkpoint into a mixture-of-experts engine (DeepSpeed MoE "
+                "layers) is not supported; load the ZeRO or ds_tensorshard checkpoint itself"
+            )
         resolved = _resolve_tag(load_dir, tag, universal)
         if resolved is None:
             return call()

@@ -122,7 +122,7 @@ def test_moe_with_offload_or_what_stock_asserts_against_is_refused(zero, message
     _refused(WithExperts(), {"zero_optimization": zero}, EXPERT + ".* " + message)
 
 
-def _moe_engine(optimizer=None, initialize=None, optimizer_type="AdamW"):
+def _moe_engine(optimizer=None, initialize=None, optimizer_type="AdamW", **extra):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -136,6 +136,7 @@ def _moe_engine(optimizer=None, initialize=None, optimizer_type="AdamW"):
         "optimizer": {"type": optimizer_type, "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2},
         "tensorshard": {"enabled": True},
+        **extra,
     }
     if optimizer is not None:
         config.pop("optimizer")
@@ -197,3 +198,12 @@ def test_moe_checkpoint_saved_at_one_rank_loads_back(tmp_path):
         assert torch.equal(param, dict(engine.module.named_parameters())[name]), name
     for name, entry in loaded.optimizer.state_dict()["tensors"].items():
         assert torch.equal(entry["exp_avg_sq"], saved[name]["exp_avg_sq"]), name
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_universal_checkpoint_load_is_refused(tmp_path):
+    from ds_tensorshard.errors import CheckpointError
+
+    engine = _moe_engine(checkpoint={"load_universal": True})
+    with pytest.raises(CheckpointError, match="universal checkpoint into a mixture-of-experts engine"):
+        engine.load_checkpoint(str(tmp_path), tag="t")
