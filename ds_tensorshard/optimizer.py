@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
+from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
@@ -135,8 +136,7 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
                 logger.info(
                     f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
                     f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
-                    f"{domain.plan.imbalance:.4f}; this engine's save_checkpoint/load_checkpoint are refused (MoE "
-                    "checkpoints are not supported yet)"
+                    f"{domain.plan.imbalance:.4f}"
                 )
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
@@ -165,11 +165,18 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
+        self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
+        self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
         if joint is not None and set(self.group_domains) != {DENSE}:
             raise TensorShardConfigError(
                 "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
                 "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
+            )
+        if set(self.group_domains) != {DENSE} and type(self.optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
+            raise TensorShardConfigError(
+                f"the Muon optimizer ({type(self.optimizer).__name__}) with a mixture-of-experts model: not checked "
+                "against stock ZeRO-1/2 with expert tensors; use Adam/AdamW, or disable 'tensorshard.enabled'"
             )
         self.domains: dict[str, Domain] = {}
         for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank

@@ -53,7 +53,8 @@ def fp32_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
     tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
-    buffers from the saved module; tied aliases share their owner's tensor.
+    buffers from the saved module; tied aliases share their owner's tensor. With MoE layers every expert's
+    tensors follow, keyed by global expert index (the saved module holds no expert tensors).
     ``progress(done, total)`` is called after each module entry."""
     module = source.model_states["module"]
     buffers = set(source.model_states.get("buffer_names") or ())
@@ -65,12 +66,24 @@ def fp32_state_dict(
             out[name] = source.tensor(name).master.clone()
         elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
             out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+    for name in source.shapes:
+        if name not in out:  # an expert's tensor
+            out[name] = source.tensor(name).master.clone()
     for alias, owner in (source.model_states.get("shared_params") or {}).items():
         if owner in out:
             out[alias] = out[owner]
         else:
             out.pop(alias, None)
     return out
+
+
+def refuse_moe(source: CheckpointSource, conversion: str) -> None:
+    """A conversion that does not handle a mixture-of-experts checkpoint yet is refused, naming it."""
+    if source.model_states.get("num_experts"):
+        raise CheckpointError(
+            f"convert-checkpoint {conversion} of a mixture-of-experts checkpoint ({source.folder}, DeepSpeed MoE "
+            "layers) is not supported yet; load it with engine.load_checkpoint, or --to fp32 for the weights"
+        )
 
 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
@@ -107,6 +120,7 @@ def to_tensorshard(
 ) -> None:
     """Write ``source`` in ds_tensorshard's layout (loadable at any world size; files for ``world_size``).
     ``progress(done, total)`` is called after each tensor read."""
+    refuse_moe(source, "--to tensorshard")
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
     checkpoint_id = uuid.uuid4().hex
@@ -197,6 +211,7 @@ def to_zero(
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
+    refuse_moe(source, "--to zero")
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
     group_layouts = []

@@ -45,7 +45,7 @@ from ds_tensorshard.checkpoints.stock_tools import (
     without_universal_refusal,
     write_recovery_script,
 )
-from ds_tensorshard.errors import CheckpointError, TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 
 _MODEL_STATES = re.compile(r"mp_rank_\d+_model_states\.pt")
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
@@ -59,16 +59,6 @@ def _enabled(engine) -> bool:
 def _mp_rank(engine) -> int:
     """The model-parallel rank in checkpoint file names (``engine.checkpoint_mp_rank`` from 0.19.7 on)."""
     return 0 if engine.mpu is None else engine.mpu.get_model_parallel_rank()
-
-
-def _refuse_moe(engine, call: str) -> None:
-    """A mixture-of-experts engine's checkpoints are not written or read yet: refused before anything is."""
-    if getattr(engine, "has_moe_layers", False):
-        raise TensorShardUsageError(
-            f"ds_tensorshard: {call} of a mixture-of-experts engine (DeepSpeed MoE layers) is not supported yet: "
-            "its rank files would key expert tensors by data-parallel rank, not by global expert index as "
-            "stock's expert_* files do; disable 'tensorshard.enabled' for MoE models that must be checkpointed"
-        )
 
 
 def _shared_checkpoint_id() -> str:
@@ -91,7 +81,6 @@ def wrap_save_checkpoint(original):
         client_state = {} if client_state is None else client_state
         if not _enabled(self):
             return original(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        _refuse_moe(self, "save_checkpoint")
         if type(self.checkpoint_engine) is not TorchCheckpointEngine:
             raise TensorShardConfigError(
                 f"checkpoint engine {type(self.checkpoint_engine).__name__} is not supported "
@@ -267,8 +256,12 @@ def wrap_load_checkpoint(original):
         )
         if not _enabled(self):
             return call()
-        _refuse_moe(self, "load_checkpoint")
         universal = self.load_universal_checkpoint()
+        if universal and getattr(self, "has_moe_layers", False):
+            raise CheckpointError(
+                "ds_tensorshard: loading a universal checkpoint into a mixture-of-experts engine (DeepSpeed MoE "
+                "layers) is not supported; load the ZeRO or ds_tensorshard checkpoint itself"
+            )
         resolved = _resolve_tag(load_dir, tag, universal)
         if resolved is None:
             return call()
@@ -278,7 +271,7 @@ def wrap_load_checkpoint(original):
             source = None
         else:
             source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal, mp_rank=_mp_rank(self))
-            source.check_model(*self.optimizer.expected_checkpoint_layout())
+            self.optimizer.check_checkpoint(source)
         _OPENED[self] = source
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
@@ -313,7 +306,7 @@ def wrap_load_zero_checkpoint(original):
             source = open_checkpoint(
                 os.path.join(load_dir, tag), universal=self.load_universal_checkpoint(), mp_rank=_mp_rank(self)
             )
-            source.check_model(*self.optimizer.expected_checkpoint_layout())
+            self.optimizer.check_checkpoint(source)
         self.optimizer.load_from_source(source, load_optimizer_states)
         return True
 

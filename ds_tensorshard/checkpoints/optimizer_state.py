@@ -28,11 +28,17 @@ class CheckpointMethods:
         """This rank's file (a :class:`~ds_tensorshard.checkpoints.rank_file.RankFile`)."""
         return rank_file(self)
 
-    def expected_checkpoint_layout(  # type: ignore[misc]
-        self: TensorShardOptimizer,
-    ) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
-        """Param-group membership and shapes, by name, that a checkpoint must match."""
-        return layout(self)
+    def check_checkpoint(self: TensorShardOptimizer, source: CheckpointSource) -> None:  # type: ignore[misc]
+        """Refuse, before any state is touched, a checkpoint of another model or of another expert-parallel
+        size (its MoE param groups are named after it, ``ep_size_N``, in stock's files and ours)."""
+        source.check_model(*layout(self))
+        theirs = [g.get("name") for g in source.param_groups if g.get("moe")]
+        ours = [g.get("name") for g in self.optimizer.param_groups if g.get("moe")]
+        if source.param_groups and theirs != ours:
+            raise CheckpointError(
+                f"checkpoint {source.folder} has the MoE param groups {theirs}, this engine {ours}: resuming at "
+                "another expert-parallel size is not supported (any data-parallel size with the same one is)"
+            )
 
     def load_from_source(  # type: ignore[misc]
         self: TensorShardOptimizer, source: CheckpointSource, load_optimizer_states: bool = True
@@ -66,7 +72,7 @@ class CheckpointMethods:
 
 def rank_file(optimizer: TensorShardOptimizer) -> dict:
     """This rank's checkpoint file, as the dict DeepSpeed saves."""
-    names, inner, shard = optimizer.names, optimizer.optimizer, optimizer.shard
+    names, inner, shard = optimizer.checkpoint_names, optimizer.optimizer, optimizer.shard
     tensors = {}
     for param, master in shard.masters.items():
         state = {k: step_int(v) if k == "step" else v for k, v in inner.state.get(master, {}).items()}
@@ -91,11 +97,12 @@ def rank_file(optimizer: TensorShardOptimizer) -> dict:
 
 
 def layout(optimizer: TensorShardOptimizer) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
-    """Param-group membership and shapes, by name, that a checkpoint must match."""
-    names = optimizer.names
+    """Param-group membership and shapes, by checkpoint name, that a checkpoint must match: with MoE layers,
+    every expert of every expert-parallel rank (the same on every rank)."""
+    every = {p: optimizer.all_checkpoint_names[optimizer.names[p]] for p in optimizer.params}
     return (
-        [[names[p] for p in group] for group in optimizer.bit16_groups],
-        {names[p]: tuple(p.shape) for p in optimizer.params},
+        [[n for p in group for n in every[p]] for group in optimizer.bit16_groups],
+        {n: tuple(p.shape) for p in optimizer.params for n in every[p]},
     )
 
 
@@ -107,7 +114,7 @@ def load(
     hyper-parameters) from ``source``; returns the saved loss scaler and overflow flag, if it has them."""
     inner, shard = optimizer.optimizer, optimizer.shard
     for param, master in shard.masters.items():
-        saved = source.tensor(optimizer.names[param])
+        saved = source.tensor(optimizer.checkpoint_names[param])
         block = shard.blocks[param]
         master.copy_(_owned_part(saved.master, param, block, master))
         inner.state.pop(master, None)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ds_tensorshard.checkpoints import files
+from ds_tensorshard.checkpoints.experts import expert_name
 from ds_tensorshard.checkpoints.rank_file import (
     RankFile,
     loss_scaler_fields,
@@ -243,7 +244,10 @@ class TensorShardSource(CheckpointSource):
 
 
 class ZeroSource(CheckpointSource):
-    """Stock ZeRO-1/2: per group, one flat fp32 buffer split evenly over the ranks (any world size)."""
+    """Stock ZeRO-1/2: per group, one flat fp32 buffer split evenly over the ranks (any world size). With MoE
+    layers, an expert group's buffer holds one expert-parallel rank's experts (``param_shapes`` names rank 0's, by
+    local index), split over that rank's expert-data-parallel group: ranks ``e, e + ep, e + 2 ep, ...`` of
+    expert-parallel rank ``e`` (DeepSpeed's groups); its tensors are named here by global expert index."""
 
     kind = "zero"
 
@@ -252,14 +256,10 @@ class ZeroSource(CheckpointSource):
         param_shapes = model_states.get("param_shapes")
         if not param_shapes:
             raise CheckpointError(f"{os.path.join(folder, states_name)} has no param_shapes")
-        self.group_names = [list(group) for group in param_shapes]
-        self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
         self.sizes: list[list[int]] = []  # [rank][group] elements of the rank's (unpadded) partition
         for rank, path in enumerate(paths):
             state = files.load(path)["optimizer_state_dict"]
-            counts = state.get("partition_count", [self.world_size])
-            if any(int(c) != self.world_size for c in counts):
-                raise CheckpointError(f"{path} is partitioned {counts} ways, not over {self.world_size} ranks")
+            counts = [int(c) for c in state.get("partition_count", [self.world_size])]
             self.sizes.append([int(p.numel()) for p in state["single_partition_of_fp32_groups"]])
             if rank == 0:
                 base = state["base_optimizer_state"]
@@ -267,23 +267,38 @@ class ZeroSource(CheckpointSource):
                 self.param_groups = [_hyper(g) for g in base["param_groups"]] if isinstance(base, Mapping) else []
                 self.scaler = _scaler_state(state)
                 self.paddings = state.get("param_alignment_paddings")
-        self.offsets: dict[str, tuple[int, int]] = {}  # name -> (group, start in the group's flat buffer)
+                self.counts = counts
+            moe = [bool(g.get("moe")) for g in self.param_groups] or [False] * len(counts)
+            if any(c != self.world_size and not (m and self.world_size % c == 0) for c, m in zip(counts, moe)):
+                raise CheckpointError(f"{path} is partitioned {counts} ways, not over {self.world_size} ranks")
+        self.group_names: list[list[str]] = []
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        # name -> (group, start in the group's flat buffer, the ranks holding that buffer in order)
+        self.offsets: dict[str, tuple[int, int, list[int]]] = {}
         for g, group in enumerate(param_shapes):
+            ep = self.world_size // self.counts[g]
+            holders = [[e + j * ep for j in range(self.counts[g])] for e in range(ep)]
+            names: list[str] = []
             offset = 0
             for i, (name, shape) in enumerate(group.items()):
-                self.offsets[name] = (g, offset)
+                for e, ranks in enumerate(holders):
+                    named = expert_name(name, group, e) if ep > 1 else name
+                    self.offsets[named] = (g, offset, ranks)
+                    self.shapes[named] = tuple(shape)
+                    names.append(named)
                 offset += int(torch.Size(shape).numel())
                 if self.paddings:
                     offset += int(self.paddings[g][i])
+            self.group_names.append(names)
 
-    def _flat_range(self, g: int, start: int, numel: int, pick) -> torch.Tensor:
+    def _flat_range(self, g: int, start: int, numel: int, ranks: list[int], pick) -> torch.Tensor:
         out = torch.empty(numel, dtype=torch.float32)
         rank_start = 0
-        for rank, path in enumerate(self.paths):
+        for rank in ranks:
             size = self.sizes[rank][g]
             lo, hi = max(start, rank_start), min(start + numel, rank_start + size)
             if lo < hi:
-                flat = pick(files.load(path)["optimizer_state_dict"], g)
+                flat = pick(files.load(self.paths[rank])["optimizer_state_dict"], g)
                 out[lo - start : hi - start].copy_(flat[lo - rank_start : hi - rank_start])
             rank_start += size
         if start + numel > rank_start:
@@ -291,15 +306,16 @@ class ZeroSource(CheckpointSource):
         return out
 
     def tensor(self, name: str) -> TensorState:
-        g, start = self.offsets[name]
+        g, start, ranks = self.offsets[name]
         shape = self.shapes[name]
         numel = int(torch.Size(shape).numel())
-        first = files.load(self.paths[0])["optimizer_state_dict"]
+        first = files.load(self.paths[ranks[0]])["optimizer_state_dict"]
         group_state = _base_state(first, g)
-        master = self._flat_range(g, start, numel, lambda s, g: s["single_partition_of_fp32_groups"][g])
+        master = self._flat_range(g, start, numel, ranks, lambda s, g: s["single_partition_of_fp32_groups"][g])
         keys = [k for k, v in group_state.items() if torch.is_tensor(v) and v.dim() == 1]  # flat per-element state
         state: dict[str, Any] = {
-            k: self._flat_range(g, start, numel, lambda s, g, k=k: _base_state(s, g)[k]).view(shape) for k in keys
+            k: self._flat_range(g, start, numel, ranks, lambda s, g, k=k: _base_state(s, g)[k]).view(shape)
+            for k in keys
         }
         if state or "step" in group_state:
             state["step"] = step_int(first.get("base_optimizer_state_step", group_state.get("step", 0)))

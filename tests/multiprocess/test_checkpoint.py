@@ -7,6 +7,7 @@ run resumed at m ranks must match the uninterrupted run at n ranks step for step
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -27,11 +28,27 @@ WORKER = os.path.join(WORKERS, "checkpoint_worker.py")
 FP32, BF16 = ACROSS_WORLDS["fp32"], ACROSS_WORLDS["bf16"]  # resumes at another world size (compare.py)
 
 
-def train(world, *runs):
+def train(world, *runs, env=None):
     """Each run = (OUT, DTYPE, MODE, STAGE, *OPTIONS), trained for 6 steps one after another in one launch of
     ``world`` ranks; returns each run's losses and parameters."""
-    run_ranks(command(*[(out, dtype, mode, stage, 6, *options) for out, dtype, mode, stage, *options in runs]), world)
-    return [torch.load(run[0]) for run in runs]
+    argv = command(*[(out, dtype, mode, stage, 6, *options) for out, dtype, mode, stage, *options in runs])
+    run_ranks(argv, world, env=env)
+    return [result(run[0]) for run in runs]
+
+
+def result(out):
+    """A run's OUT; for an MoE run (``--moe``: one file per rank) rank 0's losses and every rank's parameters,
+    keyed by global expert index."""
+    if os.path.exists(out):
+        return torch.load(out)
+    ranks = sorted(glob.glob(f"{out}.rank*"))
+    merged = {"losses": torch.load(ranks[0])["losses"], "params": {}}
+    for path in ranks:
+        merged["params"].update(torch.load(path)["params"])
+    return merged
+
+
+MOE_EP1, MOE_EP2 = ("--moe", "2:1:2"), ("--moe", "2:2:1")  # 2 experts, expert parallel 1 (top-2) and 2 (top-1)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +57,17 @@ def runs(tmp_path_factory):
     their checkpoints are made."""
     d = tmp_path_factory.mktemp("ckpt")
     r = {"dir": d}
-    r["ref2"], r["stock2"], r["stock2to2"] = train(
+    r["ref2"], r["stock2"], r["stock2to2"], r["moe2"], r["moe_stock2"], r["moe_stock2to2"], r["moe_ep2"] = train(
         2,
         (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
         (d / "s2.pt", "fp32", "stock", 2, "--save", d / "s2", "--save-at", 3),
         (d / "ls22.pt", "fp32", "ts", 2, "--load", d / "s2"),
+        (d / "m2.pt", "fp32", "ts", 2, "--save", d / "m2", "--save-at", 3, *MOE_EP1),
+        (d / "ms2.pt", "fp32", "stock", 2, "--save", d / "ms2", "--save-at", 3, *MOE_EP1),
+        (d / "lms22.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
+        (d / "me2.pt", "fp32", "ts", 1, "--save", d / "me2", "--save-at", 6, *MOE_EP2),
     )
+    (r["moe_other_ep"],) = train(2, (d / "mx.pt", "fp32", "ts", 2, "--load", d / "m2", "--load-refused", *MOE_EP2))
     codes = run_until_one_dies(
         [
             WORKER,
@@ -82,7 +104,16 @@ def runs(tmp_path_factory):
     )
     assert universal.returncode == 0, universal.stderr[-3000:]
     cli("convert-checkpoint", d / "c2", d / "c2_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
-    r["ref3"], r["stock1bf16"], r["2to3"], r["stock2to3s1"], r["universal3"], r["stock_from_ts"] = train(
+    (
+        r["ref3"],
+        r["stock1bf16"],
+        r["2to3"],
+        r["stock2to3s1"],
+        r["universal3"],
+        r["stock_from_ts"],
+        r["moe2to3"],
+        r["moe_stock2to3"],
+    ) = train(
         3,
         (d / "ref3.pt", "fp32", "ts", 2, "--save", d / "c3", "--save-at", 3),
         (d / "sb.pt", "bf16", "stock", 1, "--save", d / "sb", "--save-at", 3),
@@ -90,6 +121,8 @@ def runs(tmp_path_factory):
         (d / "ls23.pt", "fp32", "ts", 1, "--load", d / "s2"),
         (d / "lu3.pt", "fp32", "ts", 2, "--load", d / "s2", "--universal"),
         (d / "lsz.pt", "fp32", "stock", 2, "--load", d / "c2_as_zero"),
+        (d / "lm23.pt", "fp32", "ts", 2, "--load", d / "m2", *MOE_EP1),
+        (d / "lms23.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
     )
     cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
     r["3to2"], r["stock1bf16to2"], r["converted_stock"], r["after_kill"] = train(
@@ -136,6 +169,39 @@ def test_stock_zero2_and_universal_checkpoints_continue_like_stock(runs, resumed
 
 def test_stock_zero1_bf16_checkpoint_from_3_ranks_continues_at_2(runs):
     assert_continues(runs["stock1bf16to2"], runs["stock1bf16"], BF16, first_step=3)
+
+
+@pytest.mark.parametrize(
+    "resumed,reference", [("moe2to3", "moe2"), ("moe_stock2to2", "moe_stock2"), ("moe_stock2to3", "moe_stock2")]
+)
+def test_moe_checkpoints_resume_at_another_world_size_and_from_stock(runs, resumed, reference):
+    """DeepSpeed MoE, expert parallel 1: each expert's masters and moments found by global expert index
+    whichever rank owned them (2 ranks -> 3), and stock MoE ZeRO-2's files at 2 ranks and at 3."""
+    assert_continues(runs[resumed], runs[reference], FP32, first_step=3)
+
+
+def test_moe_fp32_export_gives_every_expert(runs, tmp_path):
+    """Expert parallel 2 at 2 ranks: each rank holds one expert; the export holds both, by global expert index,
+    equal to the parameters the run ended with."""
+    cli("convert-checkpoint", runs["dir"] / "me2", tmp_path / "w.pt", "--to", "fp32")
+    weights, trained = torch.load(tmp_path / "w.pt"), runs["moe_ep2"]["params"]
+    assert sorted(weights) == sorted(trained) and any(".deepspeed_experts.1." in n for n in weights), sorted(weights)
+    for name, value in trained.items():
+        assert torch.equal(weights[name], value), name
+
+
+def test_moe_checkpoint_at_another_expert_parallel_size_is_refused(runs):
+    assert (
+        "MoE param groups ['ep_size_1', 'ep_size_1'], this engine ['ep_size_2', 'ep_size_2']"
+        in (runs["moe_other_ep"]["refused"])
+    )
+
+
+@pytest.mark.parametrize("to,source", [("zero", "m2"), ("tensorshard", "ms2")])
+def test_moe_checkpoint_conversion_to_zero_or_tensorshard_is_refused(runs, tmp_path, to, source):
+    proc = run_cli("convert-checkpoint", runs["dir"] / source, tmp_path / "out", "--to", to, "--world-size", 2)
+    assert proc.returncode != 0 and f"--to {to} of a mixture-of-experts checkpoint" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_killed_save_leaves_previous_checkpoint_loadable(runs):
@@ -318,3 +384,34 @@ def test_offloaded_checkpoints_resume_at_any_world_size_with_offload_on_or_off(o
     """A save's masters and moments are the same tensors with or without offload (host memory is where they
     lived, not what they are), so every resume continues the uninterrupted run within ACROSS_WORLDS (compare.py)."""
     assert_continues(offload_runs[resumed], offload_runs[reference], FP32, first_step=3)
+
+
+@pytest.fixture(scope="module")
+def moe_ep2_runs(tmp_path_factory):
+    """Expert parallel 2 saved at 4 ranks (each expert on 2), by ds_tensorshard and stock, resumed at 2 ranks
+    (each expert on 1); a global batch of 8, so that every world size runs micro-batches of 2."""
+    d, env = tmp_path_factory.mktemp("moe_ep2"), {"CKPT_GLOBAL_BATCH": "8"}
+    r = dict(
+        zip(
+            ("ref4", "stock4"),
+            train(
+                4,
+                (d / "r4.pt", "fp32", "ts", 2, "--save", d / "c4", "--save-at", 3, *MOE_EP2),
+                (d / "s4.pt", "fp32", "stock", 2, "--save", d / "s4", "--save-at", 3, *MOE_EP2),
+                env=env,
+            ),
+        )
+    )
+    r["4to2"], r["stock4to2"] = train(
+        2,
+        (d / "l42.pt", "fp32", "ts", 2, "--load", d / "c4", *MOE_EP2),
+        (d / "ls42.pt", "fp32", "ts", 2, "--load", d / "s4", *MOE_EP2),
+        env=env,
+    )
+    return r
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("resumed,reference", [("4to2", "ref4"), ("stock4to2", "stock4")])
+def test_moe_expert_parallel_2_resumes_at_another_data_parallel_size(moe_ep2_runs, resumed, reference):
+    assert_continues(moe_ep2_runs[resumed], moe_ep2_runs[reference], FP32, first_step=3)

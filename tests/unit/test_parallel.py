@@ -1,9 +1,11 @@
 """Parallelism that is refused (AutoTP, device-mesh sequence parallelism, a PipelineModule at stage 2 or with fp32
-accumulation, MoE with a pipeline, an mpu or offload, and MoE checkpoints), in this process, before any hook or
-state exists.
+accumulation, MoE with a pipeline, an mpu, offload or Muon), in this process, before any hook or state exists;
+and a single-rank MoE checkpoint saved and loaded back.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -120,7 +122,7 @@ def test_moe_with_offload_or_what_stock_asserts_against_is_refused(zero, message
     _refused(WithExperts(), {"zero_optimization": zero}, EXPERT + ".* " + message)
 
 
-def _moe_engine(optimizer=None, initialize=None):
+def _moe_engine(optimizer=None, initialize=None, optimizer_type="AdamW", **extra):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -131,9 +133,10 @@ def _moe_engine(optimizer=None, initialize=None):
     groups = split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters()), "name": "all"}])
     config = {
         "train_batch_size": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": optimizer_type, "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2},
         "tensorshard": {"enabled": True},
+        **extra,
     }
     if optimizer is not None:
         config.pop("optimizer")
@@ -163,15 +166,44 @@ def test_expert_tensors_outside_a_moe_param_group_are_refused():
 
 
 @pytest.mark.usefixtures("single_rank_world")
-def test_moe_checkpoints_are_refused_before_anything_is_written(tmp_path):
-    from ds_tensorshard.errors import TensorShardUsageError
+def test_moe_with_muon_is_refused():
+    """DeepSpeed's Muon runs with MoE layers under ds_tensorshard but is not checked against stock: refused."""
+    from ds_tensorshard.errors import TensorShardConfigError
 
+    with pytest.raises(
+        TensorShardConfigError, match=r"the Muon optimizer \(MuonWithAuxAdam\) with a mixture-of-experts"
+    ):
+        _moe_engine(optimizer_type="Muon")
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_checkpoint_saved_at_one_rank_loads_back(tmp_path):
+    """A single-rank MoE engine's save (stock's expert files, a rank file keyed by global expert index) loads
+    back into a fresh engine: the same parameters and Adam moments."""
     engine = _moe_engine()
     assert sorted(engine.optimizer.domains) == ["data_parallel", "ep_size_1"]
-    engine.backward(engine(torch.randn(2, 4)))
-    engine.step()
-    with pytest.raises(TensorShardUsageError, match="save_checkpoint of a mixture-of-experts engine"):
-        engine.save_checkpoint(str(tmp_path))
-    assert list(tmp_path.iterdir()) == []
-    with pytest.raises(TensorShardUsageError, match="load_checkpoint of a mixture-of-experts engine"):
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    files = sorted(os.listdir(tmp_path / "t"))
+    assert (
+        "layer_0_expert_1_mp_rank_00_model_states.pt" in files and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in files
+    )
+    saved = engine.optimizer.state_dict()["tensors"]
+    torch.manual_seed(7)
+    loaded = _moe_engine()
+    loaded.load_checkpoint(str(tmp_path))
+    for name, param in loaded.module.named_parameters():
+        assert torch.equal(param, dict(engine.module.named_parameters())[name]), name
+    for name, entry in loaded.optimizer.state_dict()["tensors"].items():
+        assert torch.equal(entry["exp_avg_sq"], saved[name]["exp_avg_sq"]), name
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_universal_checkpoint_load_is_refused(tmp_path):
+    from ds_tensorshard.errors import CheckpointError
+
+    engine = _moe_engine(checkpoint={"load_universal": True})
+    with pytest.raises(CheckpointError, match="universal checkpoint into a mixture-of-experts engine"):
         engine.load_checkpoint(str(tmp_path), tag="t")

@@ -2,7 +2,7 @@
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
     [--die-during-save-at K] [--own-folder-at K] [--universal] [--split auto|never] [--optimizer NAME]
-    [+ OUT DTYPE ... [+ ...]]
+    [--moe EXPERTS:EP:K] [+ OUT DTYPE ... [+ ...]]
 
 Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
 one world size; a later run may load what an earlier one saved).
@@ -10,7 +10,10 @@ one world size; a later run may load what an earlier one saved).
 The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
 batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
 up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
-mean loss of each step run here and the final parameters.
+mean loss of each step run here and the final parameters. With ``--moe``, the model is moe_worker.py's
+(a DeepSpeed MoE layer; its param groups), each micro-batch's gating seeded by its first sequence's index so
+that every world size routes the same tokens alike, and OUT (from every rank, ``OUT.rankR``) holds each rank's
+parameters, keyed by global expert index.
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.checkpoints.experts import global_names
 from ds_tensorshard.errors import CheckpointError
 from ds_tensorshard.transports.torch_comm import close_process_group
 from tests.helpers.optimizers import setup
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
+from tests.workers.moe_worker import MoEModel
+from tests.workers.moe_worker import param_groups as moe_param_groups
 
 GLOBAL_BATCH = int(os.environ.get("CKPT_GLOBAL_BATCH", "12"))
+
+
+def moe_model(spec: str) -> torch.nn.Module:
+    experts, ep_size, k = map(int, spec.split(":"))
+    return MoEModel(experts, ep_size, k)
 
 
 def sample(step: int, index: int) -> torch.Tensor:
@@ -86,6 +97,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--universal", action="store_true")
     parser.add_argument("--split", default="auto", help="tensorshard.split_tensors")
     parser.add_argument("--optimizer", help="an inner optimizer of optimizers.py instead of AdamW")
+    parser.add_argument("--moe", help="EXPERTS:EP:K: moe_worker.py's model with a DeepSpeed MoE layer")
+    parser.add_argument(
+        "--load-refused", action="store_true", help="--load must raise CheckpointError: rank 0 writes its message"
+    )
     return parser.parse_args(argv)
 
 
@@ -98,13 +113,24 @@ def run(args: argparse.Namespace) -> None:
     config.update(
         gradient_accumulation_steps=gas, train_batch_size=GLOBAL_BATCH, train_micro_batch_size_per_gpu=micro_batch
     )
+    if args.moe:  # one lr for every param group, as moe_worker.py
+        config["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=1e-2)
     if args.universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
-    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
     client = setup(args.optimizer, model, config) if args.optimizer else None
     groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
+    groups = moe_param_groups(model) if args.moe else groups
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config, optimizer=client)
+    if args.load_refused:
+        try:
+            engine.load_checkpoint(args.load)
+        except CheckpointError as err:
+            if rank == 0:
+                torch.save({"refused": str(err)}, args.out)
+            return
+        raise AssertionError(f"{args.load} was loaded")
     if args.load:
         path, client_state = engine.load_checkpoint(args.load)
         assert path is not None, f"nothing loaded from {args.load}"
@@ -116,6 +142,8 @@ def run(args: argparse.Namespace) -> None:
         for micro in range(gas):
             first = (micro * world + rank) * micro_batch
             tokens = torch.stack([sample(step, first + i) for i in range(micro_batch)])
+            if args.moe:
+                torch.manual_seed(100_000 * step + first)  # the gate's random draws: this micro-batch's own
             loss = engine(tokens)
             engine.backward(loss)
             engine.step()
@@ -137,7 +165,11 @@ def run(args: argparse.Namespace) -> None:
                 print(f"SAVE FAILED {err}", flush=True)
                 close_process_group()
                 sys.exit(3)
-    if rank == 0:
+    if args.moe:
+        named = global_names(engine.module, {p: n for n, p in engine.module.named_parameters()})
+        params = {named[p]: p.detach().float().clone() for p in engine.module.parameters()}
+        torch.save({"losses": losses, "params": params}, f"{args.out}.rank{rank}")
+    elif rank == 0:
         torch.save(
             {"losses": losses, "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
             args.out,
