@@ -19,7 +19,6 @@ import sys
 
 import deepspeed
 import torch
-import transformers
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
@@ -29,6 +28,8 @@ MICRO_BATCH, GAS, STEPS, SEQ, VOCAB, EXPERTS = 1, 2, 5, 8, 64, 8
 
 def build(model: str) -> tuple[torch.nn.Module, list[tuple[str, torch.nn.Module]]]:
     """The model from its config (seeded random init), and its expert containers by name."""
+    import transformers  # here: the test module imports this one's constants without the frameworks extra
+
     decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
     decoder.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
     if model == "mixtral":
