@@ -33,9 +33,10 @@ from ds_tensorshard.commands.models import GPT, LORA_RANK, LoRAStack
 CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi")
 # two models (the second half as wide and half as deep) trained in the same processes
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
-# ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch transport)
-OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload")
-SHARDED = ("ts_torch", "ts_mpi", "ts_offload", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's
+# ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch and mpi transports)
+OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
+SHARDED = ("ts_torch", "ts_mpi", "ts_offload", "ts_offload_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's
+MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi")
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
@@ -148,7 +149,7 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
     if name in OFFLOAD_CONFIGS:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
-        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name == "ts_mpi" else "torch"}
+        config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name in MPI_CONFIGS else "torch"}
     return config
 
 
@@ -175,7 +176,7 @@ def host_bytes(name: str, engine) -> int:
     counts them (``optimizer.host.traffic``); stock ZeRO-Offload's are counted from its code: per step (GAS 1) its
     fp32 gradient partition to the host and its bit16 partition back (stage_1_and_2.py)."""
     optimizer = engine.optimizer
-    if name == "ts_offload":
+    if name in ("ts_offload", "ts_offload_mpi"):
         return optimizer.host.traffic.to_host + optimizer.host.traffic.to_device
     if name == "zero2_offload":
         partition = sum(t.numel() for t in optimizer.single_partition_of_fp32_groups)
