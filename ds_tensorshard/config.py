@@ -50,6 +50,12 @@ class TensorShardConfig(BaseModel):
     """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
     ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else 4,000,000."""
 
+    bucket_layout: Literal["windows", "stripes"] = "windows"
+    """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner
+    (as ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of
+    every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one
+    reduce-scatter and one all-gather whatever the world size (the cost model's choice at scale)."""
+
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
     """Parse and validate the ``tensorshard`` block of a DeepSpeed config dict, or, where the config has none,

@@ -15,7 +15,8 @@ from ds_tensorshard.transports.protocol import Pending, Transport
 
 
 class Broadcast:
-    """Every owner's segment of a bucket to every rank (one broadcast per owner present), at most
+    """Every owner's segment of a bucket to every rank (a stripe: one all-gather; a window: one broadcast per
+    owner present), at most
     ``IN_FLIGHT`` buckets under way, the first ones started on creation; :meth:`finish` writes every owner's
     updated pieces into every rank's model. ``update(index, bucket)`` (ZeRO-Offload) updates this rank's tensors
     in a bucket just before the bucket is sent, so that later buckets are updated while earlier ones are broadcast."""
@@ -41,7 +42,11 @@ class Broadcast:
             if mine is not None:
                 own = [piece.of(piece.param.data) for piece in mine.pieces]
                 torch.cat(own, out=flat[mine.offset : mine.offset + mine.numel])
-            self.in_flight.append((index, bucket, flat, self.comm.start_broadcast_segments(flat, bucket.spans)))
+            if bucket.slot:
+                pending = self.comm.start_all_gather(flat, bucket.slot)
+            else:
+                pending = self.comm.start_broadcast_segments(flat, bucket.spans)
+            self.in_flight.append((index, bucket, flat, pending))
 
     @torch.no_grad()
     def finish(self) -> None:

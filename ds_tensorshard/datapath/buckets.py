@@ -70,6 +70,9 @@ class Bucket:
     comm_dtype: torch.dtype | None = None
     """The dtype its gradients travel in, where the tensors say (DeepSpeed's autocast marks); None: the
     config's ``communication_data_type`` (see :class:`~ds_tensorshard.datapath.reduce.Averaging`)."""
+    slot: int = 0
+    """A stripe's elements per rank (:func:`build_stripes`): segment ``r`` at ``r x slot``, padded to it, so the
+    bucket moves with one reduce-scatter and one all-gather; 0: a window, segments back to back."""
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
@@ -84,16 +87,27 @@ class Bucket:
     ) -> torch.Tensor:
         """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
         (zeros where there is none), concatenated in one call: the segments lie back to back in piece order."""
-        flat = torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
-        parts = []
-        for piece in self.pieces():
-            source = tensor_of(piece.param)
-            parts.append(flat.new_zeros(piece.numel) if source is None else piece.of(source))
-        return torch.cat(parts, out=flat)
+        dtype = dtype or self.dtype
+        if self.slot:  # a stripe: each segment in its slot, the padding zeros
+            flat = torch.zeros(self.numel, dtype=dtype, device=self.device)
+            for segment in self.segments:
+                _cat(segment.pieces, tensor_of, flat[segment.offset : segment.offset + segment.numel])
+            return flat
+        return _cat(tuple(self.pieces()), tensor_of, torch.empty(self.numel, dtype=dtype, device=self.device))
 
     def pieces(self) -> Iterator[Piece]:
         for segment in self.segments:
             yield from segment.pieces
+
+
+def _cat(
+    pieces: Sequence[Piece], tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None], out: torch.Tensor
+) -> torch.Tensor:
+    parts = []
+    for piece in pieces:
+        source = tensor_of(piece.param)
+        parts.append(out.new_zeros(piece.numel) if source is None else piece.of(source))
+    return torch.cat(parts, out=out)
 
 
 @dataclass(frozen=True)
@@ -151,3 +165,51 @@ def _bucket(dtype: torch.dtype, pieces: list[Piece], owners: list[int], comm_dty
     params = tuple({id(p.param): p.param for p in pieces}.values())
     device = pieces[0].param.device
     return Bucket(dtype, device, tuple(segments), offset, params, comm_dtype)
+
+
+def build_stripes(
+    params: Sequence[torch.nn.Parameter],
+    blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]],
+    bucket_numel: int,
+    world_size: int,
+    comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None] = lambda param: None,
+) -> list[Bucket]:
+    """Buckets as stripes across the ranks: per dtype and communication dtype, each rank's owned units (in
+    ``params``' backward order) form its own stream, and bucket ``k`` holds elements ``[k x slot, (k + 1) x
+    slot)`` of every rank's stream, ``slot = bucket_numel // world_size`` (the last bucket as much as the
+    fullest rank has left). Ownership is the plan's; a unit crossing a slot boundary travels in two pieces."""
+    streams: dict[tuple[torch.dtype, torch.dtype | None], list[list[_Unit]]] = {}
+    for param in params:
+        for block in blocks_of(param):
+            if block.numel:
+                key = (param.dtype, comm_dtype_of(param))
+                per_rank = streams.setdefault(key, [[] for _ in range(world_size)])
+                per_rank[block.rank].append(_Unit(param, block.rank, block.start, block.stop))
+    buckets = []
+    for (dtype, comm_dtype), per_rank in streams.items():
+        left = [sum(u.stop - u.start for u in units) for units in per_rank]
+        cursors = [(0, units[0].start if units else 0) for units in per_rank]  # (unit index, next element)
+        while max(left):
+            slot = min(max(1, bucket_numel // world_size), max(left))
+            segments: list[Segment] = []
+            members: dict[int, torch.nn.Parameter] = {}
+            for rank, units in enumerate(per_rank):
+                index, start = cursors[rank]
+                pieces, numel = [], 0
+                while numel < slot and index < len(units):
+                    stop = min(units[index].stop, start + slot - numel)
+                    pieces.append(Piece(units[index].param, start, stop))
+                    numel += stop - start
+                    start = stop
+                    if start == units[index].stop:
+                        index += 1
+                        start = units[index].start if index < len(units) else 0
+                cursors[rank], left[rank] = (index, start), left[rank] - numel
+                if pieces:
+                    segments.append(Segment(rank, rank * slot, numel, tuple(pieces)))
+                    members.update((id(p.param), p.param) for p in pieces)
+            device = segments[0].pieces[0].param.device
+            buckets.append(
+                Bucket(dtype, device, tuple(segments), world_size * slot, tuple(members.values()), comm_dtype, slot)
+            )
+    return buckets

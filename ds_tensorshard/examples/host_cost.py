@@ -45,6 +45,12 @@ class InstantComm:
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         return Pending(lambda: None)
 
+    def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
+        return Pending(lambda: None)
+
+    def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
+        return Pending(lambda: None)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         return None
 

@@ -7,7 +7,8 @@ computes): ``start_reduce`` sums the tensor over the ranks into the owner's copy
 forms, ``start_reduce_segments`` and ``start_broadcast_segments``: one operation per bucket and
 direction where the backend has one that pays (MPI's ``Ireduce_scatter`` with per-rank counts), else one
 rooted collective per owner present; either way a segment of
-any size travels without padding. Ranks are ranks within the data-parallel group.
+any size travels without padding. A stripe (every rank's slot of equal size) moves with
+``start_reduce_scatter`` and ``start_all_gather``. Ranks are ranks within the data-parallel group.
 :class:`~ds_tensorshard.transports.torch_comm.TorchComm` and
 :class:`~ds_tensorshard.transports.mpi_comm.MpiComm` satisfy :class:`Transport`.
 """
@@ -68,6 +69,13 @@ class Transport(Protocol):
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         """Start copying each span of its owner's ``flat`` into every rank's ``flat``."""
+
+    def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
+        """Start summing ``flat`` (``world_size x slot`` elements) over ranks into this rank's slot of ``flat``,
+        ``[rank x slot, (rank + 1) x slot)`` (the rest left undefined)."""
+
+    def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
+        """Start copying each rank's slot of its ``flat`` into that slot of every rank's ``flat``."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over ranks, in place, on every rank."""

@@ -1,6 +1,7 @@
 """The torch transport: deepspeed.comm collectives (gloo on CPU, NCCL on GPU) over the data-parallel group.
 
-A bucket's reduces (or broadcasts) are one collective per owner present. gloo cannot group them (it reports
+A window's reduces (or broadcasts) are one collective per owner present; a stripe moves with one
+``reduce_scatter_tensor`` and one ``all_gather_into_tensor``. gloo cannot group them (it reports
 no coalescing support; its ``reduce_scatter`` is one all-reduce per rank, its ``all_gather`` takes equal
 sizes only); NCCL could, in one coalescing-manager group, but that path waits for a run on GPUs.
 """
@@ -55,6 +56,23 @@ class TorchComm:
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         pending = [self.start_broadcast(flat[offset : offset + numel], owner) for owner, offset, numel in spans]
         return all_of(pending, flat)
+
+    def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
+        mine = flat[self.rank * slot : (self.rank + 1) * slot]
+        out = torch.empty_like(mine)
+        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+        reduced = self._pending(work, f"reduce-scatter of {self.world_size} slots", flat, out)
+
+        def finish() -> None:
+            reduced.wait()
+            mine.copy_(out)
+
+        return Pending(finish, flat, out)
+
+    def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
+        mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()
+        work = dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True)
+        return self._pending(work, f"all-gather of {self.world_size} slots", flat, mine)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self._pending(dist.all_reduce(tensor, group=self.group, async_op=True), "all-reduce", tensor).wait()

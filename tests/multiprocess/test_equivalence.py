@@ -15,7 +15,7 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches, within_ulps
 from tests.helpers.ranks import run_ranks
-from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS
+from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS, STRIPE_CASES
 
 WORLDS = (2, 3)
 
@@ -52,6 +52,23 @@ def test_same_losses_norms_and_parameters_as_stock(world):
                 assert all(within_ulps(a, b, 2) for a, b in zip(ts["norms"], stock["norms"])), ts_case
             checked += 1
     assert checked == 7 * n
+
+
+def test_stripes_match_stock(world):
+    """``bucket_layout: "stripes"``: each bucket a slot of every rank's tensors, one reduce-scatter and one
+    all-gather; the same training as stock (bit for bit at 2 ranks, where a sum of two has one order)."""
+    n, load = world
+    for case in STRIPE_CASES:
+        dtype, _, stage = case.split(":")
+        for rank in range(n):
+            ours, stock = load(case, rank), load(f"{dtype}:stock:{stage}", rank)
+            assert ours["optimizer_class"] == "TensorShardOptimizer"
+            assert all(ours["slots"]) and ours["buckets"] > 1, case
+            assert ours["slots"] != load(f"{dtype}:ts:{stage}", rank)["slots"]  # windows: slot 0
+            assert_run_matches(ours, stock, dtype, f"{case} vs stock rank {rank}")
+            if n == 2:
+                assert ours["losses"] == stock["losses"], case
+                assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items()), case
 
 
 def test_training_moved_the_weights_but_not_the_frozen_one(world):

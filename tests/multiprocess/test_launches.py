@@ -34,3 +34,30 @@ def test_torch_transport_on_gloo_launches_one_collective_per_owner():
         r = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
         for step in r["per_step"]:
             assert step == {"reduce": r["segments"], "broadcast": r["segments"], "all_reduce": 1}, r
+
+
+STRIPE_COLLECTIVES = {  # reduce-scatter, all-gather, the norm's all-reduce: by transport
+    "mpi": ("Ireduce_scatter_block", "Iallgather", "Iallreduce"),
+    "torch": ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_stripes_launch_one_reduce_scatter_and_one_all_gather_per_bucket(backend):
+    """``bucket_layout: "stripes"``: every bucket holds a slot of each rank's tensors, so it moves with one
+    reduce-scatter and one all-gather at any world size (3 ranks here: a window would need one per owner)."""
+    command = [WORKER, "--comm-backend", backend, "--bucket-layout", "stripes"]
+    if backend == "mpi":
+        found = results(mpiexec(command, 3))
+    else:
+        outputs = run_ranks(command, 3)
+        found = [
+            json.loads(next(x for x in o.splitlines() if x.startswith("RESULT "))[len("RESULT ") :]) for o in outputs
+        ]
+    scatter, gather, norm = STRIPE_COLLECTIVES[backend]
+    assert [r["rank"] for r in found] == [0, 1, 2]
+    for r in found:
+        assert r["full"] >= r["buckets"] - 1  # every rank has a slot in every bucket (the last: the fullest's rest)
+        assert r["buckets"] >= 3
+        for step in r["per_step"]:
+            assert step == {scatter: r["buckets"], gather: r["buckets"], norm: 1}, r

@@ -13,12 +13,14 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_full_tensors_match, assert_run_matches
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
+from tests.workers.equivalence_worker import STRIPE_CASES as EQUIVALENCE_STRIPES
 from tests.workers.many_worker import assert_each_model_matches_stock, assert_overlapped
 
 BIN = os.path.dirname(sys.executable)
 MPIEXEC = os.path.join(BIN, "mpiexec")
 PLAIN = os.path.join(WORKERS, "plain_train.py")
 CASES = [f"{d}:tsmpi:{s}" for d in ("fp32", "bf16") for s in (2, 1)]  # compared with the torch runs
+STRIPE_CASES = [case.replace(":ts-", ":tsmpi-") for case in EQUIVALENCE_STRIPES]
 
 
 def mpi_env(port: int) -> dict:
@@ -45,12 +47,12 @@ def mpi_world(request, tmp_path_factory, equivalence_runs):
     equivalence runs at that world size."""
     n = request.param
     out = tmp_path_factory.mktemp(f"mpi{n}")
-    mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *CASES], n)
+    mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *CASES, *STRIPE_CASES], n)
     torch_runs = equivalence_runs(n)
     return (
         n,
         lambda case, rank: (
-            torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt") if ":tsmpi:" in case else torch_runs(case, rank)
+            torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt") if ":tsmpi" in case else torch_runs(case, rank)
         ),
     )
 
@@ -68,6 +70,20 @@ def test_mpi_backend_trains_like_torch_backend_and_stock(mpi_world):
                 assert ours["optimizer_class"] == "TensorShardOptimizer"
                 assert_run_matches(ours, ref, dtype, f"{mpi_case} vs {reference} rank {rank}")
                 assert ours["state_numel"] == 2 * ours["numel_per_rank"][rank]
+
+
+def test_mpi_stripes_train_like_stock(mpi_world):
+    """``bucket_layout: "stripes"`` on MPI (``Ireduce_scatter_block`` + ``Iallgather`` per bucket): as stock, and
+    bit for bit as the torch transport's stripes at 2 ranks (the same sums of two)."""
+    n, load = mpi_world
+    for mpi_case in STRIPE_CASES:
+        dtype, _, stage = mpi_case.split(":")
+        for rank in range(n):
+            ours, stock = load(mpi_case, rank), load(f"{dtype}:stock:{stage}", rank)
+            assert all(ours["slots"]), mpi_case
+            assert_run_matches(ours, stock, dtype, f"{mpi_case} vs stock rank {rank}")
+            if n == 2:
+                assert ours["losses"] == load(mpi_case.replace(":tsmpi-", ":ts-"), rank)["losses"], mpi_case
 
 
 def test_mpiexec_runs_unmodified_script_through_the_module_runner():

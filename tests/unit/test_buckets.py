@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ds_tensorshard.transports.torch_comm
-from ds_tensorshard.datapath.buckets import build_buckets
+from ds_tensorshard.datapath.buckets import build_buckets, build_stripes
 from ds_tensorshard.datapath.plan import Block, plan_ownership
 
 
@@ -34,6 +34,44 @@ def test_worked_example_from_docstring():
         [(0, 0, [(True, 2, 4)]), (1, 2, [(True, 0, 5)])],
     ]
     assert (first.numel, second.numel) == (8, 7)
+
+
+def test_stripes_hold_a_slot_of_every_ranks_stream_padded_to_the_fullest():
+    """a (6, rank 0), b (4, rank 1), c (5, rank 1), d (3, rank 0) in backward order, 2 ranks, bucket_numel 8:
+    slot 4; rank 0's stream a d, rank 1's b c; the last bucket as wide as the fullest rank's rest (rank 0: 1,
+    rank 1: 1)."""
+    a, b, c, d = params((6,), (4,), (5,), (3,))
+    owners = {id(a): 0, id(b): 1, id(c): 1, id(d): 0}
+    buckets = build_stripes([a, b, c, d], whole(owners), bucket_numel=8, world_size=2)
+    name = {id(a): "a", id(b): "b", id(c): "c", id(d): "d"}
+    layout = [
+        (
+            bk.slot,
+            bk.numel,
+            [(s.owner, s.offset, [(name[id(p.param)], p.start, p.stop) for p in s.pieces]) for s in bk.segments],
+        )
+        for bk in buckets
+    ]
+    assert layout == [
+        (4, 8, [(0, 0, [("a", 0, 4)]), (1, 4, [("b", 0, 4)])]),
+        (4, 8, [(0, 0, [("a", 4, 6), ("d", 0, 2)]), (1, 4, [("c", 0, 4)])]),
+        (1, 2, [(0, 0, [("d", 2, 3)]), (1, 1, [("c", 4, 5)])]),
+    ]
+    for x in (a, b, c, d):
+        x.grad = torch.arange(1.0, x.numel() + 1)
+    assert buckets[1].pack(lambda p: p.grad).tolist() == [5, 6, 1, 2, 1, 2, 3, 4]
+
+
+def test_stripes_pad_a_rank_whose_stream_ran_out_with_zeros():
+    a, b = params((10,), (2,))
+    buckets = build_stripes([a, b], whole({id(a): 0, id(b): 1}), bucket_numel=8, world_size=2)
+    assert [(bk.slot, [(s.owner, s.numel) for s in bk.segments]) for bk in buckets] == [
+        (4, [(0, 4), (1, 2)]),
+        (4, [(0, 4)]),
+        (2, [(0, 2)]),
+    ]
+    a.grad, b.grad = torch.ones(10), torch.full((2,), 7.0)
+    assert buckets[0].pack(lambda p: p.grad).tolist() == [1, 1, 1, 1, 7, 7, 0, 0]
 
 
 def test_buckets_are_bounded_windows_in_backward_order_grouped_by_owner_per_dtype():

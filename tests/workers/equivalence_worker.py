@@ -29,13 +29,15 @@ CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16", "fp16") for m in ("stock", "ts
 # ZeRO-Offload against stock's: the default tier's pairs (each stage once, each dtype once), then the rest
 OFFLOAD_CASES = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 1), ("bf16", 2)) for m in ("stock", "ts")]
 OFFLOAD_EXTENDED = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 2), ("bf16", 1)) for m in ("stock", "ts")]
+# bucket_layout "stripes" (one reduce-scatter and one all-gather per bucket) against stock: each stage once
+STRIPE_CASES = ["fp32:ts-stripes:2", "bf16:ts-stripes:1"]
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))
-OFFLOAD = "-offload"
+OFFLOAD, STRIPES = "-offload", "-stripes"
 
 
 def base_mode(mode: str) -> str:
-    """``ts-offload`` -> ``ts``: the mode without ZeRO-Offload."""
-    return mode.removesuffix(OFFLOAD)
+    """``ts-offload`` or ``ts-stripes`` -> ``ts``: the mode without ZeRO-Offload or stripes."""
+    return mode.removesuffix(OFFLOAD).removesuffix(STRIPES)
 
 
 def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto") -> dict:
@@ -54,7 +56,7 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
     }
     if mode.endswith(OFFLOAD):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        mode = base_mode(mode)
+    stripes, mode = mode.endswith(STRIPES), base_mode(mode)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":
@@ -65,6 +67,7 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
             "enabled": True,
             "comm_backend": "mpi" if mode == "tsmpi" else "torch",
             "split_tensors": split,
+            "bucket_layout": "stripes" if stripes else "windows",
         }
     return config
 
@@ -128,6 +131,7 @@ def run_case(case: str, out_dir: str) -> None:
                 "steps": sorted({int(s["step"]) for s in optimizer.optimizer.state.values()}),
                 "started_at_embedding": started_at_embedding,
                 "buckets": len(optimizer.buckets),
+                "slots": [b.slot for b in optimizer.buckets],
                 "largest_buffer": max(b.numel for b in optimizer.buckets),
                 "first_embedding_bucket": next(
                     i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)

@@ -16,10 +16,19 @@ import torch.distributed as tdist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--comm-backend", choices=["torch", "mpi"], required=True)
+parser.add_argument("--bucket-layout", choices=["windows", "stripes"], default="windows")
 args = parser.parse_args()
 
 calls: Counter = Counter()
-for name in ("reduce", "broadcast", "all_reduce", "all_gather", "reduce_scatter", "all_gather_into_tensor"):
+for name in (
+    "reduce",
+    "broadcast",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+):
     original = getattr(tdist, name)
 
     def counted(*a, _original=original, _name=name, **k):
@@ -58,7 +67,12 @@ config = {
     "train_micro_batch_size_per_gpu": 2,
     "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2},
-    "tensorshard": {"enabled": True, "comm_backend": args.comm_backend, "bucket_numel": 96},
+    "tensorshard": {
+        "enabled": True,
+        "comm_backend": args.comm_backend,
+        "bucket_numel": 96,
+        "bucket_layout": args.bucket_layout,
+    },
 }
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 if args.comm_backend == "mpi":
@@ -77,6 +91,7 @@ line = "RESULT " + json.dumps(
         "buckets": len(buckets),
         "segments": sum(len(b.segments) for b in buckets),
         "one_owner": sum(len(b.segments) == 1 for b in buckets),
+        "full": sum(len(b.segments) == engine.world_size for b in buckets),
         "per_step": per_step[1:],
     }
 )
