@@ -12,6 +12,9 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 - ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (a reduce-scatter
   and an all-gather with per-rank counts, or NCCL group calls: one chain latency, the bucket's bytes; built so
   far only for the reduction, the mpi transport's ``Ireduce_scatter``);
+- ``tensorshard_stripes``: ``bucket_layout: "stripes"``, one reduce-scatter and one all-gather per bucket over
+  every rank's slot (padded to the fullest rank's); ``stripes_fit`` is the bucket size with the most buckets
+  (the smallest flat buffers) whose time stays within ``STRIPES_TARGET`` x stock's;
 - ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
   ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
   ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition
@@ -24,7 +27,7 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +35,7 @@ from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.errors import PlanError
 
 STOCK_ALIGNMENT = 2  # stage_1_and_2.py: nccl_start_alignment_factor, the flat group padded to this x world size
+STRIPES_TARGET = 1.05  # stripes_fit: the most buckets whose predicted time is within this x stock ZeRO-2's
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,27 @@ def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, el
     return _cost([*per_bucket, *per_bucket, _norm(n, net)])
 
 
+def tensorshard_stripes_cost(stripes: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
+    """One ring reduce-scatter and one ring all-gather per stripe, of its ``n x slot`` elements."""
+    per_stripe = [all_gather(b.numel * element_bytes, n, net) for b in stripes]
+    return _cost([*per_stripe, *per_stripe, _norm(n, net)])
+
+
+def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s: float) -> int:
+    """The bucket size (``n x slot``) of the most stripes over a fullest rank of ``fullest`` elements whose
+    reduce-scatters and all-gathers take at most ``limit_s``; one stripe where none fits."""
+
+    def seconds(count: int) -> float:
+        slot = -(-fullest // count)
+        return 2 * count * sum(all_gather(n * slot * element_bytes, n, net)) + sum(_norm(n, net))
+
+    low, high = 1, max(fullest, 1)  # seconds() grows with the count: the last count within the limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if seconds(middle) <= limit_s else (low, middle - 1)
+    return n * -(-fullest // low)
+
+
 def stock_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
     """Stock's gradient buckets: indices of whole parameters in backward (reverse registration) order, closed
     when the next would pass ``bucket_numel`` (``reduce_independent_p_g_buckets_and_remove_grads``)."""
@@ -197,20 +222,43 @@ def stock_zero2_cost(
 
 
 def cost_report(
-    buckets: Sequence[Bucket], numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int
+    buckets: Sequence[Bucket],
+    stripes: Callable[[int], Sequence[Bucket]],
+    numels: Sequence[int],
+    fullest: int,
+    n: int,
+    bucket_numel: int,
+    net: Network,
+    element_bytes: int,
 ) -> dict[str, Any]:
-    """The three patterns (and stock with ``use_multi_rank_bucket_allreduce`` false) with the ratios to stock."""
+    """The patterns (and stock with ``use_multi_rank_bucket_allreduce`` false) with the ratios to stock;
+    ``stripes(bucket_numel)`` builds the stripes of a bucket size, ``fullest`` is the fullest rank's elements."""
     per_owner = per_owner_cost(buckets, n, net, element_bytes)
     grouped = tensorshard_grouped_cost(buckets, n, net, element_bytes)
     stock = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes)
     stock_reduce = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes, multi_rank=False)
+    ratio = lambda cost: cost.seconds / stock.seconds if stock.seconds else 1.0  # noqa: E731
+    striped = tensorshard_stripes_cost(stripes(bucket_numel), n, net, element_bytes)
+    fit_numel = stripes_fit(fullest, n, net, element_bytes, STRIPES_TARGET * stock.seconds)
+    fit_stripes = stripes(fit_numel)
+    fit = tensorshard_stripes_cost(fit_stripes, n, net, element_bytes)
+    total = sum(numels)
     return {
         "network": asdict(net),
         "element_bytes": element_bytes,
         "tensorshard_per_owner": asdict(per_owner),
         "tensorshard_grouped": asdict(grouped),
+        "tensorshard_stripes": asdict(striped),
+        "stripes_fit": {
+            "bucket_numel": fit_numel,
+            "buckets": len(fit_stripes),
+            **asdict(fit),
+            "time_ratio": ratio(fit),
+            "wire_ratio": sum(b.numel for b in fit_stripes) / total if total else 1.0,
+        },
         "stock_zero2": asdict(stock),
         "stock_zero2_reduce": asdict(stock_reduce),
-        "per_owner_time_ratio": per_owner.seconds / stock.seconds if stock.seconds else 1.0,
-        "grouped_time_ratio": grouped.seconds / stock.seconds if stock.seconds else 1.0,
+        "per_owner_time_ratio": ratio(per_owner),
+        "grouped_time_ratio": ratio(grouped),
+        "stripes_time_ratio": ratio(striped),
     }

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, Network, cost_report
+from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, STRIPES_TARGET, Network, cost_report
 from ds_tensorshard.commands.models import Experts, expert_index
-from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import PlanError
@@ -43,11 +43,14 @@ def all_reduce_sent(numel: int, world_size: int) -> float:
 
 
 def meta_buckets(
-    shapes: Shapes, plan: OwnershipPlan, bucket_numel: int, dtype: torch.dtype = torch.float32
+    shapes: Shapes, plan: OwnershipPlan, bucket_numel: int, dtype: torch.dtype = torch.float32, stripes: bool = False
 ) -> list[Bucket]:
-    """The buckets a run would build, over meta tensors in backward (reverse registration) order."""
+    """The buckets a run would build (windows, or ``stripes``), over meta tensors in backward (reverse
+    registration) order."""
     params = [torch.nn.Parameter(torch.empty(tuple(shape), device="meta", dtype=dtype)) for _, shape in shapes]
     blocks = {id(p): plan.blocks[name] for p, (name, _) in zip(params, shapes)}
+    if stripes:
+        return build_stripes(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel, plan.world_size)
     return build_buckets(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel)
 
 
@@ -140,7 +143,14 @@ def plan_report(
         "plan_and_buckets_s": seconds,
         "numel_per_rank": list(plan.numel_per_rank),
         "communication": cost_report(
-            buckets, [math.prod(shape) for _, shape in shapes], world_size, bucket_numel, network, element_bytes
+            buckets,
+            lambda numel: meta_buckets(shapes, plan, numel, stripes=True),
+            [math.prod(shape) for _, shape in shapes],
+            max(plan.numel_per_rank),
+            world_size,
+            bucket_numel,
+            network,
+            element_bytes,
         ),
         **({"newton_schulz": newton_schulz_report(shapes, plan, muon)} if muon else {}),
     }
@@ -157,6 +167,7 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
             "ds_tensorshard, one launch per bucket and direction (mpi; NCCL grouped, not built)",
             comm["tensorshard_grouped"],
         ),
+        ("ds_tensorshard, stripes (a reduce-scatter and an all-gather per bucket)", comm["tensorshard_stripes"]),
         ("stock ZeRO-2 (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
     ]
     lines = [
@@ -169,9 +180,15 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
         f"({cost['latency_s'] * 1e3:,.1f} ms of it latency)"
         for name, cost in rows
     ]
+    fit = comm["stripes_fit"]
     lines.append(
         f"    ratio to stock ZeRO-2: {comm['per_owner_time_ratio']:.2f}x per owner, "
-        f"{comm['grouped_time_ratio']:.2f}x grouped"
+        f"{comm['grouped_time_ratio']:.2f}x grouped, {comm['stripes_time_ratio']:.2f}x stripes"
+    )
+    lines.append(
+        f"    stripes within {STRIPES_TARGET}x stock: bucket_numel {fit['bucket_numel']:,} ({fit['buckets']} buckets, "
+        f"{fit['launches']:,} collectives, {fit['seconds'] * 1e3:,.1f} ms = {fit['time_ratio']:.2f}x stock, "
+        f"wire {fit['wire_ratio']:.4f}x an all-reduce's)"
     )
     return lines
 

@@ -14,7 +14,9 @@ from ds_tensorshard.commands.cost_model import (
     rooted,
     stock_buckets,
     stock_zero2_cost,
+    stripes_fit,
     tensorshard_grouped_cost,
+    tensorshard_stripes_cost,
 )
 from ds_tensorshard.commands.plan_report import meta_buckets
 from ds_tensorshard.datapath.plan import plan_ownership
@@ -83,12 +85,38 @@ def test_tensorshard_by_hand():
     assert grouped.latency_s == pytest.approx(4 * 10e-6 + all_reduce(4, 2, NET)[0])
 
 
+def test_stripes_by_hand():
+    # the same plan (rank 0: a d, 9 elements; rank 1: b c, 7) in stripes of 8: slot 4, then the rest, 1 wide:
+    # three buckets of 8, 8 and 2 elements, each one reduce-scatter and one all-gather over both ranks
+    shapes = [("a", (6,)), ("b", (4,)), ("c", (3,)), ("d", (3,))]
+    plan = plan_ownership(shapes, 2, split="never")
+    stripes = meta_buckets(shapes, plan, 8, stripes=True)
+    assert [(b.slot, b.numel) for b in stripes] == [(4, 8), (4, 8), (1, 2)]
+    cost = tensorshard_stripes_cost(stripes, 2, NET, element_bytes=2)
+    assert cost.launches == 2 * 3 + 1
+    per_stripe = [sum(all_gather(numel * 2, 2, NET)) for numel in (8, 8, 2)]
+    assert cost.seconds == pytest.approx(2 * sum(per_stripe) + sum(all_reduce(4, 2, NET)))
+
+
+def test_stripes_fit_takes_the_most_stripes_within_the_limit():
+    # 8 ranks over the network (10 us per hop, 100 GB/s), 1,000 elements of 1 byte on the fullest rank: K stripes
+    # cost 2 K (7 x 10 us + 7/8 x 8 x ceil(1000 / K) bytes / B) + the norm; 1 ms allows K = 6 (0.84 ms), not 7
+    norm = sum(all_reduce(4, 8, NET))
+    seconds = lambda k: 2 * k * sum(all_gather(8 * -(-1000 // k), 8, NET)) + norm  # noqa: E731
+    assert seconds(6) <= 1e-3 < seconds(7)
+    assert stripes_fit(1000, 8, NET, 1, 1e-3) == 8 * 167  # slot ceil(1000 / 6)
+    assert stripes_fit(1000, 8, NET, 1, 0.0) == 8 * 1000  # nothing fits: one stripe
+
+
 def test_plan_reports_the_communication_both_ways(capsys):
     assert cli_main(["plan", "--world-size", "8", "--network", "9.6,400", "--json"]) == 0
     comm = json.loads(capsys.readouterr().out)[0]["communication"]
     assert comm["network"] == {"alpha_us": 9.6, "bus_gbps": 400.0, "intra_node_ranks": 8, "intra_gbps": 450.0}
     assert comm["tensorshard_grouped"]["launches"] == 2 * 32 + 1  # GPT-2 small: 32 buckets
     assert comm["tensorshard_per_owner"]["launches"] > comm["tensorshard_grouped"]["launches"]
+    assert comm["tensorshard_stripes"]["launches"] == 2 * 32 + 1  # stripes of 4M: as many as windows here
+    fit = comm["stripes_fit"]
+    assert fit["launches"] == 2 * fit["buckets"] + 1 and fit["time_ratio"] <= 1.05 and fit["wire_ratio"] <= 1.02
     per_owner = comm["tensorshard_per_owner"]["seconds"]
     assert comm["per_owner_time_ratio"] == pytest.approx(per_owner / comm["stock_zero2"]["seconds"])
     assert cli_main(["plan", "--world-size", "8", "--network", "fast"]) == 2
