@@ -16,9 +16,10 @@
 #    FSDP2 in its ZeRO-2 form (fully_shard per block and root, reshard_after_forward=False) and ds_tensorshard
 #    (torch transport), on the 85.9M-parameter GPT and on the LoRA-like model (2,000 adapter tensors: host time);
 #    the line gives the step times and ratios, the first losses checked against stock's. One GPU is one rank:
-#    nothing crosses a wire; more ranks need one GPU each (--ranks N). The grouped NCCL path (one coalesced
-#    launch per bucket and direction) is not implemented, so there is nothing of it to check: the torch
-#    transport issues one reduce and one broadcast per owner present in a bucket.
+#    nothing crosses a wire; more ranks need one GPU each (--ranks N).
+# 7. stripes_nccl_1rank: "bucket_layout": "stripes", one NCCL reduce_scatter_tensor and all_gather_into_tensor per
+#    bucket, against stock ZeRO-1/2 (fp32 stage 2, bf16 stage 1) at one rank. Grouping a window's per-owner
+#    reduces in one NCCL group call is not built: stripes are the one-launch-per-bucket path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TORCH_SPEC="${TORCH_SPEC:-torch}" source launch/setup_env.sh >/dev/null
@@ -40,6 +41,7 @@ check mpi_2ranks_1gpu python -m tests.workers.gpu_check mpi "$LOGS/mpi"
 check checkpoint_resume_cuda python -m tests.workers.gpu_check checkpoint "$LOGS/ckpt"
 check fused_lamb_lion python -m tests.workers.gpu_check fused "$LOGS/fused"
 check zero_offload_cuda python -m tests.workers.gpu_check offload "$LOGS/offload"
+check stripes_nccl_1rank python -m tests.workers.gpu_check stripes "$LOGS/stripes"
 check bench_gpt_1gpu python -m tests.workers.gpu_check bench-gpt "$LOGS/bench_gpt"
 check bench_lora_1gpu python -m tests.workers.gpu_check bench-lora "$LOGS/bench_lora"
 exit "$failures"

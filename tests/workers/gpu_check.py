@@ -4,6 +4,7 @@
     python -m tests.workers.gpu_check checkpoint OUT  save at step 3 and resume on CUDA vs the uninterrupted run
     python -m tests.workers.gpu_check fused OUT       DeepSpeed's FusedLamb (vs stage 0), FusedLion (vs ZeRO-2), CUDA
     python -m tests.workers.gpu_check offload OUT     ZeRO-Offload on CUDA (pinned host masters) vs stock's
+    python -m tests.workers.gpu_check stripes OUT     bucket_layout "stripes" on NCCL (reduce-scatter, all-gather)
     python -m tests.workers.gpu_check bench-gpt OUT   the benchmark at one rank (NCCL): stock ZeRO-2, FSDP2, ours
     python -m tests.workers.gpu_check bench-lora OUT  the same on the LoRA-like model (2,000 adapter tensors)
 
@@ -108,6 +109,21 @@ def check_offload(out: str) -> None:
     print(f"NOTE pinned host masters; max |param diff| vs stock offload {worst:.1e}")
 
 
+def check_stripes(out: str) -> None:
+    """``bucket_layout: "stripes"`` at one rank on CUDA: NCCL's ``reduce_scatter_tensor`` and
+    ``all_gather_into_tensor`` move every bucket; against stock ZeRO-1/2 of the same config (fp32 stage 2, bf16
+    stage 1), bit for bit (one rank: nothing is summed)."""
+    os.makedirs(out, exist_ok=True)
+    cases = ["fp32:stock:2", "fp32:ts-stripes:2", "bf16:stock:1", "bf16:ts-stripes:1"]
+    run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), out, *cases], 1, env={"DS_ACCELERATOR": "cuda"})
+    load = lambda case: torch.load(f"{out}/{case.replace(':', '_')}.rank0.pt")  # noqa: E731
+    for dtype, stage in (("fp32", 2), ("bf16", 1)):
+        ours, stock = load(f"{dtype}:ts-stripes:{stage}"), load(f"{dtype}:stock:{stage}")
+        assert all(ours["slots"]), ours["slots"]
+        assert ours["losses"] == stock["losses"], (dtype, ours["losses"], stock["losses"])
+    print(f"NOTE stripes on NCCL: {len(ours['slots'])} buckets, losses equal to stock's")
+
+
 def check_bench(out: str, model: str) -> None:
     """``ds-tensorshard bench`` on the GPU at one rank (NCCL): stock ZeRO-2, PyTorch FSDP2 in its ZeRO-2 form and
     ds_tensorshard (torch transport) on the GPT or the LoRA-like model; FSDP2's and ours' losses at steps 0 and 1
@@ -141,6 +157,7 @@ if __name__ == "__main__":
         "checkpoint": check_checkpoint,
         "fused": check_fused,
         "offload": check_offload,
+        "stripes": check_stripes,
         "bench-gpt": lambda out: check_bench(out, "gpt"),
         "bench-lora": lambda out: check_bench(out, "lora"),
     }
