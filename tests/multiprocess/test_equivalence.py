@@ -157,10 +157,11 @@ def test_offload_matches_stock_offload_at_two_ranks(equivalence_runs):
 @pytest.mark.extended
 @pytest.mark.parametrize("n", WORLDS)
 def test_offload_matrix_matches_stock_offload(tmp_path, n):
-    """Every dtype x stage pair of ZeRO-Offload, torch and mpi transports (mpiexec), at 2 and 3 ranks."""
+    """Every dtype x stage pair of ZeRO-Offload, torch and mpi transports (mpiexec), at 2 and 3 ranks; and with
+    stripes."""
     from tests.multiprocess.test_mpi import mpiexec
 
-    cases = OFFLOAD_EXTENDED + OFFLOAD_CASES
+    cases = OFFLOAD_EXTENDED + OFFLOAD_CASES + ["fp32:ts-stripes-offload:2", "bf16:ts-stripes-offload:1"]
     run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *cases], n)
     mpi_cases = [c.replace(":ts-", ":tsmpi-") for c in OFFLOAD_CASES + OFFLOAD_EXTENDED if ":ts-" in c]
     mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *mpi_cases], n)

@@ -56,7 +56,7 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
     }
     if mode.endswith(OFFLOAD):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    stripes, mode = mode.endswith(STRIPES), base_mode(mode)
+    stripes, mode = mode.removesuffix(OFFLOAD).endswith(STRIPES), base_mode(mode)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":
