@@ -26,10 +26,12 @@ MATRIX = {
     2: [f"{d}:ts:{s}:2:{ep}:{k}" for d in ("fp32", "bf16", "fp16") for s in (1, 2) for ep in (1, 2) for k in (1, 2)],
     4: [f"{d}:ts:{s}:2:2:{k}" for d in ("fp32", "bf16") for s in (1, 2) for k in (1, 2)],
 }
+MATRIX[2] += ["fp32:ts-stripes:2:2:2:2", "bf16:ts-stripes:1:2:1:1"]  # bucket_layout "stripes", both domains
+MATRIX[4] += ["fp32:ts-stripes:2:2:2:1"]
 
 
 def stock_of(case: str) -> str:
-    return case.replace(":tsmpi:", ":stock:").replace(":ts:", ":stock:")
+    return case.replace(":tsmpi:", ":stock:").replace(":ts-stripes:", ":stock:").replace(":ts:", ":stock:")
 
 
 def reducing_stock_of(case: str) -> str:
