@@ -25,6 +25,7 @@ WORKER = os.path.join(WORKERS, "tp_worker.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 CASES = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m in ("stock", "ts") for s in (1, 2)]
+STRIPES = ["fp32:ts-stripes:2"]  # bucket_layout "stripes" beside the windows
 
 
 def as_run(result: dict) -> dict:
@@ -34,7 +35,7 @@ def as_run(result: dict) -> dict:
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    run_ranks([WORKER, str(out), "2", *CASES], 4)
+    run_ranks([WORKER, str(out), "2", *CASES, *STRIPES], 4)
     port = free_port()
     proc = run_in_group(
         [MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
@@ -45,7 +46,7 @@ def tp(tmp_path_factory):
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if ":ts:" in c] + ["fp32:tsmpi:2", "fp32:tsmpi:1"])
+@pytest.mark.parametrize("case", [c for c in CASES if ":ts:" in c] + ["fp32:tsmpi:2", "fp32:tsmpi:1", *STRIPES])
 def test_tensor_parallel_trains_as_stock_with_the_same_mpu(tp, case):
     dtype, _, stage = case.split(":")
     for rank in range(4):
@@ -131,7 +132,8 @@ def pipe_runs(out, world, *args) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipe")
-    runs = pipe_runs(d / "2x2", 4, "fp32:stock", "bf16:stock", "bf16:ts", "fp32:ts", "--save", d / "c")
+    stripes = "fp32:ts-stripes"  # before fp32:ts: the last case saves the checkpoint
+    runs = pipe_runs(d / "2x2", 4, "fp32:stock", "bf16:stock", "bf16:ts", stripes, "fp32:ts", "--save", d / "c")
     runs["2x1"] = pipe_runs(d / "2x1", 2, "fp32:stock", "fp32:ts")
     runs["resumed 2x2"] = pipe_runs(d / "r22", 4, "fp32:ts", "--load", d / "c")["fp32:ts"]
     runs["resumed 2x1"] = pipe_runs(d / "r21", 2, "fp32:ts", "--load", d / "c")["fp32:ts"]
@@ -166,6 +168,12 @@ def test_pipeline_trains_as_stock_pipeline_engine_with_zero1(pipeline, dtype):
     assert torch.equal(ours[0]["params"]["tied_modules.embed.weight"], ours[1]["params"]["tied_modules.embed.weight"])
 
 
+def test_pipeline_with_stripes_trains_as_stock(pipeline):
+    ours = pipeline["fp32:ts-stripes"]
+    assert {r["optimizer_class"] for r in ours.values()} == {"TensorShardOptimizer"} and sorted(ours) == [0, 1]
+    assert_stages_match(ours, pipeline["fp32:stock"], "fp32", "stripes, 2 stages x 2 data-parallel")
+
+
 def test_pipeline_with_one_data_parallel_rank_trains_as_stock(pipeline):
     assert_stages_match(pipeline["2x1"]["fp32:ts"], pipeline["2x1"]["fp32:stock"], "fp32", "2 stages x 1")
 
@@ -195,7 +203,7 @@ def test_pipeline_at_three_data_parallel_ranks(tmp_path):
 def ulysses(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp")
     cases = [f"{d}:{m}:{s}" for d in ("fp32", "bf16") for m in ("stock", "ts") for s in (1, 2)]
-    run_ranks([os.path.join(WORKERS, "sp_worker.py"), str(out), "2", *cases], 4)
+    run_ranks([os.path.join(WORKERS, "sp_worker.py"), str(out), "2", *cases, *STRIPES], 4)
     port = free_port()
     proc = run_in_group(
         [MPIEXEC, "-n", "4", sys.executable, os.path.join(WORKERS, "sp_worker.py"), str(out), "2", "fp32:tsmpi:2"],
@@ -206,7 +214,7 @@ def ulysses(tmp_path_factory):
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("case", [f"{d}:ts:{s}" for d in ("fp32", "bf16") for s in (1, 2)] + ["fp32:tsmpi:2"])
+@pytest.mark.parametrize("case", [f"{d}:ts:{s}" for d in ("fp32", "bf16") for s in (1, 2)] + ["fp32:tsmpi:2", *STRIPES])
 def test_ulysses_sequence_parallel_matches_stock(ulysses, case):
     """Same divisor (data-parallel size, sequence shards add up) and communication dtype (fp32) as stock. At
     4 reducing ranks fp32 sums round in another order than stock's: the attention's key bias (true gradient
