@@ -23,7 +23,7 @@ WORKER = os.path.join(WORKERS, "many_worker.py")
 def many(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"many{n}")
-    for mode in ("stock", "step_many", "one_by_one"):
+    for mode in ("stock", "step_many", "one_by_one", "step_many_stripes"):
         run_ranks([WORKER, str(out), mode], n)
     return n, lambda mode, rank: torch.load(out / f"{mode}.rank{rank}.pt")
 
@@ -32,6 +32,12 @@ def test_each_model_trains_as_it_would_alone_under_stock_zero(many):
     n, load = many
     for rank in range(n):
         assert_each_model_matches_stock(load("step_many", rank), load("stock", rank))
+
+
+def test_step_many_with_stripes_trains_as_stock(many):
+    n, load = many
+    for rank in range(n):
+        assert_each_model_matches_stock(load("step_many_stripes", rank), load("stock", rank))
 
 
 def test_step_many_equals_stepping_one_by_one(many):

@@ -1,8 +1,8 @@
 """One rank of a multi-model run: three TinyGPTs of different sizes, dtypes and stages trained in one loop.
 
 python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO engine),
-step_many (initialize_many + step_many), step_many_mpi (the same on the mpi backend, under mpiexec)
-or one_by_one (initialize_many + engine.step each).
+step_many (initialize_many + step_many), step_many_mpi (the same on the mpi backend, under mpiexec),
+step_many_stripes (with bucket_layout "stripes") or one_by_one (initialize_many + engine.step each).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    items, flavour = [], {"stock": "stock", "step_many_mpi": "tsmpi"}.get(mode, "ts")
+    items, flavour = [], {"stock": "stock", "step_many_mpi": "tsmpi", "step_many_stripes": "ts-stripes"}.get(mode, "ts")
     for seed, (dtype, stage, shape) in enumerate(MODELS):
         torch.manual_seed(100 + seed)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
