@@ -6,6 +6,7 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import safe_get_full_grad
 
 import ds_tensorshard
 from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion
@@ -285,8 +286,9 @@ def test_offload_runs_stocks_cpu_optimizer_on_host_masters(optimizer, inner):
 
 def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():
     """DeepSpeed's Muon with offload: its auxiliary Adam is DeepSpeedCPUAdam (stock's choice for offload); each
-    Muon matrix's gradient stays on the device, and only its momentum (lent and stored back) and update cross;
-    the other tensors' gradients cross to the host once, and every updated tensor crosses back once."""
+    Muon matrix's gradient stays on the device (safe_get_full_grad reads it there), and only its momentum (lent
+    and stored back) and update cross; the other tensors' gradients cross to the host once, and every updated
+    tensor crosses back once."""
     muon = {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.95, "weight_decay": 0.1}}
     model, engine, opt = initialize(base_config(optimizer=muon, zero_optimization=dict(OFFLOADED)))
     assert type(opt.optimizer.aux_optimizer).__name__ == "DeepSpeedCPUAdam"
@@ -296,6 +298,10 @@ def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():
     for _ in range(2):
         before = dict(vars(opt.host.traffic))
         engine.backward(engine(torch.randn(2, 4)).square().sum())
+        reduced = safe_get_full_grad(model[0].weight)
+        opt.prepare_step()  # from here the step's gradient is the one kept on the device
+        assert torch.equal(safe_get_full_grad(model[0].weight), reduced)
+        assert opt.shard.step_gradient(model[0].weight) is opt.shard.device_grads[model[0].weight]
         engine.step()
         crossed = {k: v - before[k] for k, v in vars(opt.host.traffic).items()}
         lent = 4 * matrices if engine.global_steps > 1 else 0  # the first step's momentum starts as zeros there
