@@ -146,10 +146,10 @@ class FullTensor:
         optimizer, param, name = self._context()
         shard = _gradient_window(optimizer, name, "safe_get_full_grad")
         flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-        master = shard.masters.get(param)
-        if master is not None:
+        if param in shard.masters:
             block = shard.blocks[param]
-            grad = master.grad if master.grad is not None else shard.accumulated.get(param)
+            grad = shard.step_gradient(param)
+            grad = grad if grad is not None else shard.accumulated.get(param)
             if grad is not None:
                 flat[block.start : block.stop] = grad.reshape(-1)
         where = lambda: f"step {optimizer._step_of()}, safe_get_full_grad of '{name}'"  # noqa: E731
@@ -165,9 +165,9 @@ class FullTensor:
         piece = _owned_piece(optimizer, param, name, value, "gradient")
         if piece is None:
             return
-        master = shard.masters[param]
-        if master.grad is not None:  # prepare_step() has run: the gradient is the master's, in fp32
-            master.grad.view(-1).copy_(piece)
+        grad = shard.step_gradient(param)
+        if grad is not None:  # prepare_step() has run: the gradient is the master's (or on the device), in fp32
+            grad.view(-1).copy_(piece)
         else:
             shard.accumulated[param] = piece.to(shard.accum_dtype, copy=True)
 

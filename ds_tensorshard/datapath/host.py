@@ -4,8 +4,11 @@ between the accelerator and host memory.
 
 Only whole owned tensors (or their dim-0 blocks) cross: each reduced gradient piece once, in the dtype it was
 reduced in (it becomes fp32 on the host), and each updated tensor once, in the model's dtype (cast on the
-host, as stock's bit16 staging buffer does). On a CPU-only machine the "host" is the same memory: the copies
-are still made, and counted, so that the figures are what a GPU would move.
+host, as stock's bit16 staging buffer does). DeepSpeed's Muon matrices keep their gradients on the accelerator
+instead (:mod:`~ds_tensorshard.datapath.muon_offload`): their momentum is lent there and stored back, and their
+orthogonalized update and gradient's square (for the norm) cross to the host. On a CPU-only machine the
+"host" is the same memory: the copies are still made, and counted, so that the figures are what a GPU would
+move.
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ class HostMemory:
         copy = self.empty(tensor.shape, tensor.dtype).copy_(tensor)
         self.traffic.to_host += tensor.numel() * tensor.element_size()
         return copy if dtype is None or dtype == copy.dtype else self.empty(tensor.shape, dtype).copy_(copy)
+
+    def store(self, tensor: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy an accelerator ``tensor`` into the host tensor ``target`` of the same shape and dtype."""
+        target.copy_(tensor)
+        self.traffic.to_host += tensor.numel() * tensor.element_size()
+
+    def lend(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """An accelerator copy, on ``device``, of the host ``tensor`` (e.g. state to be updated there)."""
+        self.traffic.to_device += tensor.numel() * tensor.element_size()
+        return tensor.to(device, copy=True)
 
     def send(self, master: torch.Tensor, target: torch.Tensor) -> None:
         """Write a host ``master`` into an accelerator ``target`` of the same numel, cast to its dtype on the host."""

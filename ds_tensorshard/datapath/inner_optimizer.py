@@ -58,10 +58,8 @@ REFUSED_OFFLOADED = {
     "config type runs DeepSpeedCPULion there, as stock)",
     "FusedLamb": "DeepSpeed has no CPU LAMB: stock builds the accelerator kernel FusedLamb, which cannot update "
     "masters in host memory",
-    "MuonWithAuxAdam": "stock ZeRO-Offload orthogonalizes Muon's matrices on the accelerator while it partitions "
-    "the gradients, before the host step; ds_tensorshard does not follow that order yet",
 }
-REFUSED_OFFLOADED_TYPES = {"lamb": "FusedLamb", "muon": "MuonWithAuxAdam"}
+REFUSED_OFFLOADED_TYPES = {"lamb": "FusedLamb"}
 REFUSED_TYPES = {
     "onebitadam": "OnebitAdam",
     "zerooneadam": "ZeroOneAdam",
@@ -82,6 +80,12 @@ def check_supported(optimizer: torch.optim.Optimizer, offload: bool = False) -> 
         raise TensorShardConfigError(
             f"optimizer {name} is not supported with 'zero_optimization.offload_optimizer' device cpu: "
             f"{REFUSED_OFFLOADED[name]}"
+        )
+    aux = type(getattr(optimizer, "aux_optimizer", None)).__name__  # MuonWithAuxAdam's Adam (NoneType: inline)
+    if offload and name == "MuonWithAuxAdam" and aux in REFUSED_OFFLOADED:
+        raise TensorShardConfigError(
+            f"optimizer {name} is not supported with 'zero_optimization.offload_optimizer' device cpu with {aux} "
+            f"as its auxiliary Adam: {REFUSED_OFFLOADED[aux]}"
         )
     if not offload and name in HOST_OPTIMIZERS:
         raise TensorShardConfigError(

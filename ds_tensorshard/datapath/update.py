@@ -16,6 +16,7 @@ import torch
 
 from ds_tensorshard.datapath.buckets import Bucket, Piece
 from ds_tensorshard.datapath.host import HostMemory
+from ds_tensorshard.datapath.muon_offload import DeviceMuon, device_matrices
 from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
@@ -33,7 +34,9 @@ class OwnedShard:
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
     else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins. With ``host``
     (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
-    piece is accumulated on the host as it arrives, and the inner optimizer's state is made there.
+    piece is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
+    for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``
+    (in ``device_grads`` from the step's start), orthogonalized there at their update.
     """
 
     def __init__(
@@ -54,6 +57,9 @@ class OwnedShard:
         self.group_of: dict[torch.nn.Parameter, int] = {}
         self.views: set[torch.nn.Parameter] = set()  # params whose master is a view of their own (fp32) tensor
         self.stepped: set[torch.nn.Parameter] = set()  # updated early in this step (datapath.early_update)
+        self.on_device = device_matrices(optimizer) if host is not None else set()  # then this rank's only
+        self.muon = DeviceMuon(optimizer, host, device) if host is not None and self.on_device else None
+        self.device_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the step's fp32 gradients of on_device
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
@@ -70,6 +76,7 @@ class OwnedShard:
                 self.group_of[param] = g
                 masters.append(master)
             group["params"] = masters
+        self.on_device &= self.masters.keys()
 
     def is_whole(self, param: torch.nn.Parameter) -> bool:
         return self.blocks[param].numel == param.numel()
@@ -86,7 +93,7 @@ class OwnedShard:
         """Add a reduced gradient piece of an owned tensor to its accumulator."""
         block = self.blocks[piece.param]
         total = self.accumulated.get(piece.param)
-        if self.host is not None:
+        if self.host is not None and piece.param not in self.on_device:
             grad = self.host.fetch(grad)
         if total is None:
             if piece.numel == block.numel:  # the whole block at once: keep (a copy of) it
@@ -104,27 +111,45 @@ class OwnedShard:
 
     def _gradient_to_master(self, param: torch.nn.Parameter) -> None:
         master, total = self.masters[param], self.accumulated.pop(param, None)
-        master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
+        if param in self.on_device:
+            zeros = torch.zeros(master.shape, dtype=torch.float32, device=self.device)
+            self.device_grads[param] = zeros if total is None else total.to(torch.float32).view(master.shape)
+        else:
+            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
+
+    def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The step's fp32 gradient of an owned ``param`` (once the step began), where it is kept."""
+        return self.device_grads.get(param) if param in self.on_device else self.masters[param].grad
 
     @torch.no_grad()
     def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
         """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
-        in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made."""
+        in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made. Offloaded, the
+        chunks' squares are summed on the host in the same order, those of gradients kept on the device
+        brought over together first."""
         where = self.device if self.host is None else torch.device("cpu")
         totals = [torch.zeros((), dtype=torch.float64, device=where) for _ in self.optimizer.param_groups]
-        for param, master in self.masters.items():
-            if master.grad is not None and counted(param):
-                flat = master.grad.reshape(-1)
+        squares: list[tuple[int, torch.Tensor, bool]] = []  # (group, square, computed on the device for the host)
+        for param in self.masters:
+            grad = self.step_gradient(param)
+            if grad is not None and counted(param):
+                flat = grad.reshape(-1)
                 for chunk in flat.split(NORM_CHUNK) if flat.numel() > NORM_CHUNK else (flat,):
                     wide = chunk.double()
-                    totals[self.group_of[param]].add_(torch.dot(wide, wide))
+                    squares.append((self.group_of[param], torch.dot(wide, wide), param in self.on_device))
+        if self.host is not None and any(far for _, _, far in squares):
+            fetched = iter(self.host.fetch(torch.stack([s for _, s, far in squares if far])).unbind())
+            squares = [(g, next(fetched) if far else s, False) for g, s, far in squares]
+        for group, square, _ in squares:
+            totals[group].add_(square)
         return torch.stack(totals).to(self.device)
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        for master in self.masters.values():
-            if master.grad is not None:
-                master.grad.mul_(factor)
+        for param in self.masters:
+            grad = self.step_gradient(param)
+            if grad is not None:
+                grad.mul_(factor)
 
     @torch.no_grad()
     def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:
@@ -134,9 +159,9 @@ class OwnedShard:
         if early is not None:
             for param in todo:
                 self._gradient_to_master(param)
-            self.update(todo)
+            self.update(todo, keep_grads=True)
             return
-        if not self.stepped:
+        if not self.stepped and not self.on_device:
             self.optimizer.step()
         elif todo:
             self._step_only(todo)
@@ -144,12 +169,13 @@ class OwnedShard:
         self._write_back(todo)
 
     @torch.no_grad()
-    def update(self, params: list[torch.nn.Parameter]) -> None:
+    def update(self, params: list[torch.nn.Parameter], keep_grads: bool = False) -> None:
         """The inner optimizer on the masters of ``params`` alone (their gradients in place), each written into
         the model's tensor and counted as updated in this step. Exact only for an inner optimizer that counts
-        steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are."""
+        steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are. ``keep_grads``: an early
+        update, before the norm: the gradients kept on the device are left as they are for it."""
         if params:
-            self._step_only(params)
+            self._step_only(params, keep_grads)
             self.stepped.update(params)
             self._write_back(params)
 
@@ -167,18 +193,31 @@ class OwnedShard:
             elif master.data_ptr() != own.data_ptr():
                 own.copy_(master.view(-1))
 
-    def _step_only(self, params: list[torch.nn.Parameter]) -> None:
-        """The inner optimizer's step on the masters of ``params`` alone (each group keeps its dict)."""
-        chosen = {id(self.masters[p]) for p in params}
+    def _step_only(self, params: list[torch.nn.Parameter], keep_grads: bool = False) -> None:
+        """The inner optimizer's step on the masters of ``params`` alone (each group keeps its dict). An
+        offloaded Muon matrix is orthogonalized on the device first and stepped as a pre-orthogonalized view
+        (:mod:`~ds_tensorshard.datapath.muon_offload`), from a copy of its gradient with ``keep_grads``."""
+        chosen = {id(self.masters[p]): self._stepped_as(p, keep_grads) for p in params}
         groups = self.optimizer.param_groups
         kept = [group["params"] for group in groups]
         try:
             for group, masters in zip(groups, kept):
-                group["params"] = [m for m in masters if id(m) in chosen]
+                group["params"] = [chosen[id(m)] for m in masters if id(m) in chosen]
             self.optimizer.step()
         finally:
             for group, masters in zip(groups, kept):
                 group["params"] = masters
+
+    def _stepped_as(self, param: torch.nn.Parameter, keep_grad: bool) -> torch.Tensor:
+        """What the inner optimizer steps for ``param``: its master, or for an offloaded Muon matrix a view of it
+        carrying the update made on the device from its gradient (consumed unless ``keep_grad``)."""
+        master = self.masters[param]
+        if param not in self.on_device:
+            return master
+        assert self.muon is not None, "matrices are kept on the device only with offload"
+        grad = self.device_grads[param] if keep_grad else self.device_grads.pop(param)
+        group = self.optimizer.param_groups[self.group_of[param]]
+        return self.muon.pre_orthogonalized(master, group, grad.clone() if keep_grad else grad)
 
     def relink_views(self) -> None:
         """After the model's tensors moved (offload, reload): the masters that are views follow them."""
@@ -219,6 +258,7 @@ class OwnedShard:
 
     def drop_grads(self) -> None:
         self.accumulated.clear()
+        self.device_grads.clear()
         self.stepped.clear()
         for master in self.masters.values():
             master.grad = None

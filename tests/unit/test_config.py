@@ -6,6 +6,7 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import safe_get_full_grad
 
 import ds_tensorshard
 from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion
@@ -70,10 +71,6 @@ BAD = [
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Lamb"}},
         "'optimizer.type' 'Lamb' is not supported with 'zero_optimization.offload_optimizer' device cpu: DeepSpeed "
         "has no CPU LAMB",
-    ),
-    (
-        {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "Muon"}},
-        "'optimizer.type' 'Muon' is not supported with 'zero_optimization.offload_optimizer' device cpu: stock",
     ),
     ({"tensorshard": {"enabled": True, "bucket_size": 10}}, "unknown key 'tensorshard.bucket_size'"),
     ({"tensorshard": {"enabled": "yes"}}, "'tensorshard.enabled'"),
@@ -285,6 +282,56 @@ def test_offload_runs_stocks_cpu_optimizer_on_host_masters(optimizer, inner):
     assert all(t.device.type == "cpu" for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     if inner == "DeepSpeedCPUAdam":
         assert opt.optimizer.adam_w_mode  # AdamW: stock's adamw_mode
+
+
+def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():
+    """DeepSpeed's Muon with offload: its auxiliary Adam is DeepSpeedCPUAdam (stock's choice for offload); each
+    Muon matrix's gradient stays on the device (safe_get_full_grad reads it there), and only its momentum (lent
+    and stored back) and update cross; the other tensors' gradients cross to the host once, and every updated
+    tensor crosses back once."""
+    muon = {"type": "Muon", "params": {"lr": 1e-2, "momentum": 0.95, "weight_decay": 0.1}}
+    model, engine, opt = initialize(base_config(optimizer=muon, zero_optimization=dict(OFFLOADED)))
+    assert type(opt.optimizer.aux_optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert opt.shard.on_device == {model[0].weight, model[1].weight}
+    matrices = sum(p.numel() for p in opt.shard.on_device)
+    owned = sum(m.numel() for m in opt.shard.masters.values())
+    for _ in range(2):
+        before = dict(vars(opt.host.traffic))
+        engine.backward(engine(torch.randn(2, 4)).square().sum())
+        reduced = safe_get_full_grad(model[0].weight)
+        opt.prepare_step()  # from here the step's gradient is the one kept on the device
+        assert torch.equal(safe_get_full_grad(model[0].weight), reduced)
+        assert opt.shard.step_gradient(model[0].weight) is opt.shard.device_grads[model[0].weight]
+        engine.step()
+        crossed = {k: v - before[k] for k, v in vars(opt.host.traffic).items()}
+        lent = 4 * matrices if engine.global_steps > 1 else 0  # the first step's momentum starts as zeros there
+        # to the host: the vectors' gradients, the squares of the matrices' gradients for the norm (fp64, one
+        # each), their momentum and their update
+        to_host = 4 * (owned - matrices) + 8 * 2 + 8 * matrices
+        assert crossed == {"to_host": to_host, "to_device": lent + 4 * owned}, crossed
+    state = opt.optimizer.state
+    keys = {k for m in opt.shard.masters.values() for k in state[m]}
+    assert keys == {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    assert all(t.device.type == "cpu" for s in state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def test_offloaded_muon_with_an_accelerator_adam_is_refused():
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    def muon(params):
+        weights, vectors = [], []
+        for p in params:
+            (weights if p.dim() >= 2 else vectors).append(p)
+        groups = [
+            dict(params=weights, use_muon=True, lr=1e-2, momentum=0.95, weight_decay=0.0),
+            dict(params=vectors, use_muon=False, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
+        ]
+        return MuonWithAuxAdam(groups, adam_optimizer=FusedAdam)
+
+    config = {k: v for k, v in base_config(zero_optimization=dict(OFFLOADED)).items() if k != "optimizer"}
+    with pytest.raises(TensorShardConfigError, match="with FusedAdam as its auxiliary Adam: its kernel runs"):
+        initialize(config, optimizer=muon)
 
 
 def test_cpu_optimizer_without_offload_is_refused():

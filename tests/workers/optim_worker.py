@@ -1,14 +1,12 @@
 """One rank of an optimizer run: TinyGPT trained with an inner optimizer other than Adam.
 
-python optim_worker.py OUT CASE [CASE...]   CASE = OPTIMIZER:DTYPE:MODE:STAGE, e.g. muon:bf16:ts:2 or
-lion:fp32:stock:0 (see optimizers.py; MODE stock, ts or tsmpi, or ulp: stock with every gradient nudged by
-one unit in the last place of the model's dtype before each optimizer step, the reference's own sensitivity
-to rounding). GAS 2, clipping 1.0, WarmupLR, two param groups. Writes OUT/CASE.rankR.pt: losses, grad norms,
-final parameters, optimizer-state facts.
-
-DeepSpeed's Muon runs Newton-Schulz in the dtype ``original_muon.ns_compute_dtype`` picks from the
-accelerator: half precision where it reports support (every GPU; CPUs with fp16/bf16 units), else fp32.
-``muon`` forces fp32 and ``muonhalf`` forces what a GPU gets, so a run does not depend on the CPU it is on.
+python optim_worker.py OUT CASE [CASE...]   CASE = OPTIMIZER:DTYPE:MODE:STAGE[:early], e.g. muon:bf16:ts:2 or
+lion:fp32:stock:0 (see optimizers.py; MODE stock, ts or tsmpi, each optionally with ZeRO-Offload
+(ts-offload), or ulp: stock with every gradient nudged by one unit in the last place of the model's dtype
+before each optimizer step, the reference's own sensitivity to rounding). GAS 2, clipping 1.0 (``early``:
+none, and bf16 without its overflow check, so that ZeRO-Offload updates each tensor as its last reduced piece
+arrives), WarmupLR, two param groups. Writes OUT/CASE.rankR.pt: losses, grad norms, final parameters,
+optimizer-state facts.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
 from tests.helpers.optimizers import setup
 from tests.helpers.tiny_gpt import TinyGPT
-from tests.workers.equivalence_worker import GAS, SEQ, STEPS, VOCAB, batch, ds_config, param_groups
+from tests.workers.equivalence_worker import GAS, SEQ, STEPS, VOCAB, base_mode, batch, ds_config, param_groups
 
 
 def state_numel(optimizer) -> int:
@@ -60,7 +58,7 @@ def nudge_gradients_by_one_ulp(model: torch.nn.Module) -> None:
 
 
 def run_case(case: str, out: str) -> None:
-    name, dtype, mode, stage = case.split(":")
+    name, dtype, mode, stage, *variant = case.split(":")
     setup_name = {"adagrad2": "adagrad", "muonhalf": "muon"}.get(name, name)
     if setup_name == "muon":
         force_newton_schulz(name)
@@ -68,6 +66,9 @@ def run_case(case: str, out: str) -> None:
     config = ds_config(dtype, mode, int(stage), world)
     if stage == "0":
         del config["zero_optimization"]
+    if variant == ["early"]:
+        config["gradient_clipping"] = 0.0
+        config["bf16"]["check_grad_overflow"] = False
     torch.manual_seed(1234)
     model = TinyGPT(vocab=VOCAB, seq=SEQ)
     client = setup(setup_name, model, config)
@@ -95,8 +96,13 @@ def run_case(case: str, out: str) -> None:
         "state_numel": state_numel(optimizer),
         "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
     }
-    if mode in ("ts", "tsmpi"):
+    if base_mode(mode) in ("ts", "tsmpi"):
         result["inner_class"] = type(optimizer.optimizer).__name__
+        result["aux_class"] = type(getattr(optimizer.optimizer, "aux_optimizer", None)).__name__
+        result["host_traffic"] = None if optimizer.host is None else vars(optimizer.host.traffic).copy()
+        result["device_matrices"] = [p.numel() for p in optimizer.shard.on_device]  # offloaded Muon's
+        result["first_update_at"] = getattr(optimizer.early, "first_update_at", None)
+        result["last_update_at"] = optimizer.last_update_at
         result["split"] = dict(optimizer.plan.split)
         result["numel_per_rank"] = list(optimizer.plan.numel_per_rank)
         result["owned_state_keys"] = sorted({k for s in optimizer.optimizer.state.values() for k in s})
