@@ -27,7 +27,7 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -134,10 +134,21 @@ def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, el
     return _cost([*per_bucket, *per_bucket, _norm(n, net)])
 
 
-def tensorshard_stripes_cost(stripes: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
-    """One ring reduce-scatter and one ring all-gather per stripe, of its ``n x slot`` elements."""
-    per_stripe = [all_gather(b.numel * element_bytes, n, net) for b in stripes]
-    return _cost([*per_stripe, *per_stripe, _norm(n, net)])
+def tensorshard_stripes_cost(fullest: int, n: int, bucket_numel: int, net: Network, element_bytes: int) -> Cost:
+    """Stripes of ``bucket_numel`` over a fullest rank of ``fullest`` elements (``build_stripes``: slots of
+    ``bucket_numel // n``, the last one the rest): one ring reduce-scatter and one ring all-gather of each
+    stripe's ``n x slot`` elements, counted in closed form (a small bucket at many ranks is many stripes)."""
+    slot = max(1, bucket_numel // n)
+    full, rest = divmod(fullest, slot)
+    per = [
+        (count, all_gather(n * width * element_bytes, n, net)) for count, width in ((full, slot), (int(rest > 0), rest))
+    ]
+    norm = _norm(n, net)
+    return Cost(
+        2 * (full + int(rest > 0)) + 1,
+        sum(2 * count * sum(time) for count, time in per) + sum(norm),
+        sum(2 * count * time[0] for count, time in per) + norm[0],
+    )
 
 
 def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s: float) -> int:
@@ -145,8 +156,7 @@ def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s:
     reduce-scatters and all-gathers take at most ``limit_s``; one stripe where none fits."""
 
     def seconds(count: int) -> float:
-        slot = -(-fullest // count)
-        return 2 * count * sum(all_gather(n * slot * element_bytes, n, net)) + sum(_norm(n, net))
+        return tensorshard_stripes_cost(fullest, n, n * -(-fullest // count), net, element_bytes).seconds
 
     low, high = 1, max(fullest, 1)  # seconds() grows with the count: the last count within the limit
     while low < high:
@@ -223,7 +233,6 @@ def stock_zero2_cost(
 
 def cost_report(
     buckets: Sequence[Bucket],
-    stripes: Callable[[int], Sequence[Bucket]],
     numels: Sequence[int],
     fullest: int,
     n: int,
@@ -232,16 +241,15 @@ def cost_report(
     element_bytes: int,
 ) -> dict[str, Any]:
     """The patterns (and stock with ``use_multi_rank_bucket_allreduce`` false) with the ratios to stock;
-    ``stripes(bucket_numel)`` builds the stripes of a bucket size, ``fullest`` is the fullest rank's elements."""
+    ``fullest`` is the fullest rank's elements (what the stripes are cut from)."""
     per_owner = per_owner_cost(buckets, n, net, element_bytes)
     grouped = tensorshard_grouped_cost(buckets, n, net, element_bytes)
     stock = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes)
     stock_reduce = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes, multi_rank=False)
     ratio = lambda cost: cost.seconds / stock.seconds if stock.seconds else 1.0  # noqa: E731
-    striped = tensorshard_stripes_cost(stripes(bucket_numel), n, net, element_bytes)
+    striped = tensorshard_stripes_cost(fullest, n, bucket_numel, net, element_bytes)
     fit_numel = stripes_fit(fullest, n, net, element_bytes, STRIPES_TARGET * stock.seconds)
-    fit_stripes = stripes(fit_numel)
-    fit = tensorshard_stripes_cost(fit_stripes, n, net, element_bytes)
+    fit = tensorshard_stripes_cost(fullest, n, fit_numel, net, element_bytes)
     total = sum(numels)
     return {
         "network": asdict(net),
@@ -251,10 +259,10 @@ def cost_report(
         "tensorshard_stripes": asdict(striped),
         "stripes_fit": {
             "bucket_numel": fit_numel,
-            "buckets": len(fit_stripes),
+            "buckets": (fit.launches - 1) // 2,
             **asdict(fit),
             "time_ratio": ratio(fit),
-            "wire_ratio": sum(b.numel for b in fit_stripes) / total if total else 1.0,
+            "wire_ratio": n * fullest / total if total else 1.0,  # every stripe padded to the fullest rank's slot
         },
         "stock_zero2": asdict(stock),
         "stock_zero2_reduce": asdict(stock_reduce),

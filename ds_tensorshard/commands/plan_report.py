@@ -144,7 +144,6 @@ def plan_report(
         "numel_per_rank": list(plan.numel_per_rank),
         "communication": cost_report(
             buckets,
-            lambda numel: meta_buckets(shapes, plan, numel, stripes=True),
             [math.prod(shape) for _, shape in shapes],
             max(plan.numel_per_rank),
             world_size,

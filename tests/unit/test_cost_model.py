@@ -92,7 +92,7 @@ def test_stripes_by_hand():
     plan = plan_ownership(shapes, 2, split="never")
     stripes = meta_buckets(shapes, plan, 8, stripes=True)
     assert [(b.slot, b.numel) for b in stripes] == [(4, 8), (4, 8), (1, 2)]
-    cost = tensorshard_stripes_cost(stripes, 2, NET, element_bytes=2)
+    cost = tensorshard_stripes_cost(9, 2, 8, NET, element_bytes=2)  # rank 0, the fullest, owns 9
     assert cost.launches == 2 * 3 + 1
     per_stripe = [sum(all_gather(numel * 2, 2, NET)) for numel in (8, 8, 2)]
     assert cost.seconds == pytest.approx(2 * sum(per_stripe) + sum(all_reduce(4, 2, NET)))
@@ -106,6 +106,8 @@ def test_stripes_fit_takes_the_most_stripes_within_the_limit():
     assert seconds(6) <= 1e-3 < seconds(7)
     assert stripes_fit(1000, 8, NET, 1, 1e-3) == 8 * 167  # slot ceil(1000 / 6)
     assert stripes_fit(1000, 8, NET, 1, 0.0) == 8 * 1000  # nothing fits: one stripe
+    # a bucket smaller than the world: one element per slot, 1,000 stripes, counted without building them
+    assert tensorshard_stripes_cost(1000, 8, 4, NET, 1).launches == 2 * 1000 + 1
 
 
 def test_plan_reports_the_communication_both_ways(capsys):
