@@ -19,7 +19,7 @@ import torch
 
 from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, STRIPES_TARGET, Network, cost_report
 from ds_tensorshard.commands.models import Experts, expert_index
-from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.buckets import Bucket, build_buckets
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import PlanError
@@ -43,14 +43,11 @@ def all_reduce_sent(numel: int, world_size: int) -> float:
 
 
 def meta_buckets(
-    shapes: Shapes, plan: OwnershipPlan, bucket_numel: int, dtype: torch.dtype = torch.float32, stripes: bool = False
+    shapes: Shapes, plan: OwnershipPlan, bucket_numel: int, dtype: torch.dtype = torch.float32
 ) -> list[Bucket]:
-    """The buckets a run would build (windows, or ``stripes``), over meta tensors in backward (reverse
-    registration) order."""
+    """The buckets a run would build, over meta tensors in backward (reverse registration) order."""
     params = [torch.nn.Parameter(torch.empty(tuple(shape), device="meta", dtype=dtype)) for _, shape in shapes]
     blocks = {id(p): plan.blocks[name] for p, (name, _) in zip(params, shapes)}
-    if stripes:
-        return build_stripes(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel, plan.world_size)
     return build_buckets(list(reversed(params)), lambda p: blocks[id(p)], bucket_numel)
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from ds_tensorshard.commands.cli import main as cli_main
 from ds_tensorshard.commands.cost_model import (
@@ -19,6 +20,7 @@ from ds_tensorshard.commands.cost_model import (
     tensorshard_stripes_cost,
 )
 from ds_tensorshard.commands.plan_report import meta_buckets
+from ds_tensorshard.datapath.buckets import build_stripes
 from ds_tensorshard.datapath.plan import plan_ownership
 
 NET = Network(alpha_us=10.0, bus_gbps=100.0, intra_node_ranks=4, intra_gbps=200.0)
@@ -90,7 +92,9 @@ def test_stripes_by_hand():
     # three buckets of 8, 8 and 2 elements, each one reduce-scatter and one all-gather over both ranks
     shapes = [("a", (6,)), ("b", (4,)), ("c", (3,)), ("d", (3,))]
     plan = plan_ownership(shapes, 2, split="never")
-    stripes = meta_buckets(shapes, plan, 8, stripes=True)
+    params = {name: torch.nn.Parameter(torch.empty(shape, device="meta")) for name, shape in shapes}
+    blocks_of = lambda p: next(plan.blocks[n] for n, q in params.items() if q is p)  # noqa: E731
+    stripes = build_stripes([params[n] for n in "dcba"], blocks_of, 8, 2)
     assert [(b.slot, b.numel) for b in stripes] == [(4, 8), (4, 8), (1, 2)]
     cost = tensorshard_stripes_cost(9, 2, 8, NET, element_bytes=2)  # rank 0, the fullest, owns 9
     assert cost.launches == 2 * 3 + 1
