@@ -32,7 +32,7 @@ class TensorShardConfig(BaseModel):
 
     comm_backend: Literal["torch", "mpi"] = "torch"
     """Transport for the plugin's collectives: ``"torch"`` = ``deepspeed.comm`` (gloo on CPU, NCCL on GPU);
-    ``"mpi"`` = mpi4py. A bucket moves with one reduce-scatter of the owners' parts and one broadcast from each
+    ``"mpi"`` = mpi4py. A window moves with one reduce-scatter of the owners' parts and one broadcast from each
     owner on mpi, one reduce to and one broadcast from each owner on torch: nothing is padded."""
 
     split_tensors: Literal["auto", "never"] = "auto"
