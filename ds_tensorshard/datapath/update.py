@@ -28,6 +28,15 @@ def _block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
     return (block.numel // max(math.prod(param.shape[1:]), 1), *param.shape[1:])
 
 
+def _widened(chunk: torch.Tensor, buffers: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+    """``chunk`` in fp64, written into one reused buffer per device: a fresh 8 MiB copy per chunk would leave
+    holes that the small tensors made in between split, and the host heap would grow by a chunk each time."""
+    buffer = buffers.get(chunk.device)
+    if buffer is None or buffer.numel() < chunk.numel():
+        buffer = buffers[chunk.device] = torch.empty(chunk.numel(), dtype=torch.float64, device=chunk.device)
+    return buffer[: chunk.numel()].copy_(chunk)
+
+
 class OwnedShard:
     """The tensors (or blocks) a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
 
@@ -130,12 +139,13 @@ class OwnedShard:
         where = self.device if self.host is None else torch.device("cpu")
         totals = [torch.zeros((), dtype=torch.float64, device=where) for _ in self.optimizer.param_groups]
         squares: list[tuple[int, torch.Tensor, bool]] = []  # (group, square, computed on the device for the host)
+        wide_buffers: dict[torch.device, torch.Tensor] = {}
         for param in self.masters:
             grad = self.step_gradient(param)
             if grad is not None and counted(param):
                 flat = grad.reshape(-1)
                 for chunk in flat.split(NORM_CHUNK) if flat.numel() > NORM_CHUNK else (flat,):
-                    wide = chunk.double()
+                    wide = _widened(chunk, wide_buffers)
                     squares.append((self.group_of[param], torch.dot(wide, wide), param in self.on_device))
         if self.host is not None and any(far for _, _, far in squares):
             fetched = iter(self.host.fetch(torch.stack([s for _, s, far in squares if far])).unbind())
