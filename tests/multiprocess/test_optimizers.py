@@ -3,7 +3,8 @@
 Element-wise optimizers (Adagrad, SGD, RMSprop from the config; a client Lion) must match stock ZeRO-1/2.
 Optimizers that need whole matrices (DeepSpeed's Muon with its auxiliary Adam, torch's Adafactor, a
 client LAMB, torch's Muon) must match the unsharded reference, stock stage 0 with the same optimizer,
-which stock ZeRO-2 does not (see docs/optimizers.md). At 2 and 3 ranks, fp32 and bf16, GAS 2, clipping 1.0.
+which stock ZeRO-2 does not (see docs/optimizers.md). At 2 ranks (3 ranks: -m extended), fp32 and bf16, GAS 2,
+clipping 1.0.
 Every optimizer's state exists only for owned tensors, and its checkpoint resumes at another world size.
 DeepSpeed's Muon with ZeRO-Offload must be the same training as without it.
 """
@@ -55,7 +56,7 @@ OFFLOADED = [f"muon:fp32:ts-offload:{stage}" for stage in (1, 2)]
 EARLY = ["muon:bf16:ts:2:early", "muon:bf16:ts-offload:2:early"]
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])
 def trained(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"optim{n}")
