@@ -31,6 +31,16 @@ _CHUNK = 1 << 22
 # Types stock DeepSpeed 0.19 puts in its checkpoints (loss scaler, ZeRO stage, slice addresses);
 # unpickling them only sets attributes. ds_tensorshard's own files need none of them.
 DEEPSPEED_TYPES = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+DEEPSPEED_ENUMS = (ZeroStageEnum,)
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """Stands in for ``builtins.getattr`` while unpickling: some Python releases (3.11.2, Debian 12's, for one;
+    not 3.11.7) pickle an int-valued enum member as ``getattr(cls, name)``. Only a member of a DeepSpeed enum
+    is given; anything else is refused as the global it asked for."""
+    if cls not in DEEPSPEED_ENUMS or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"Unsupported GLOBAL builtins.getattr for {cls!r}, {name!r}")
+    return cls[name]
 
 
 def read_latest(save_dir: str, universal: bool = False) -> str | None:
@@ -131,7 +141,7 @@ def _refusal(path: str, err: Exception) -> CheckpointError:
 
 
 def _torch_load(path: str, mmap: bool) -> Any:
-    with torch.serialization.safe_globals(list(DEEPSPEED_TYPES)):
+    with torch.serialization.safe_globals([*DEEPSPEED_TYPES, (_enum_member, "builtins.getattr")]):
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
 
 

@@ -52,3 +52,31 @@ def test_stock_checkpoint_with_deepspeed_types_still_loads(tmp_path, monkeypatch
     for (name, ours), theirs in zip(engine.module.named_parameters(), stock.module.parameters()):
         assert torch.equal(ours, theirs), name
     assert len(engine.optimizer.optimizer.state) == sum(p.requires_grad for p in engine.module.parameters())
+
+
+class _ByName:
+    """Pickles as ``getattr(owner, name)``: how Python 3.11.2 (Debian 12's) pickles an int-valued enum member."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_enum_member_pickled_by_name_loads_and_nothing_else_does(tmp_path):
+    """A stock checkpoint written under Python 3.11.2 holds ``ZeroStageEnum.gradients`` as getattr(enum, name)
+    (measured: a clean venv on Debian's python3 refused every stock checkpoint); only members of DeepSpeed's
+    enums are given, any other attribute is refused naming getattr."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from ds_tensorshard.checkpoints import files
+
+    path = tmp_path / "by_name.pt"
+    torch.save({"zero_stage": _ByName(ZeroStageEnum, "gradients")}, path)
+    assert files.load(str(path)) == {"zero_stage": ZeroStageEnum.gradients}
+    for owner, name in [(ZeroStageEnum, "__class__"), (ZeroStageEnum, "missing"), (LossScaler, "__init__")]:
+        torch.save({"x": _ByName(owner, name)}, path)
+        with pytest.raises(CheckpointError, match="refers to builtins.getattr"):
+            files.load(str(path))
