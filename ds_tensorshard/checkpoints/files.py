@@ -12,6 +12,7 @@ the file and the type, before any of it is built.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import pickle
@@ -31,7 +32,7 @@ _CHUNK = 1 << 22
 # Types stock DeepSpeed 0.19 puts in its checkpoints (loss scaler, ZeRO stage, slice addresses);
 # unpickling them only sets attributes. ds_tensorshard's own files need none of them.
 DEEPSPEED_TYPES = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
-DEEPSPEED_ENUMS = (ZeroStageEnum,)
+DEEPSPEED_ENUMS = tuple(t for t in DEEPSPEED_TYPES if issubclass(t, enum.Enum))
 
 
 def _enum_member(cls: Any, name: str) -> Any:
