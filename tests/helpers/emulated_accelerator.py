@@ -230,6 +230,23 @@ def _unbound_process_groups() -> None:
     tdist.init_process_group = init_process_group
 
 
+def _data_factories_through_dispatch() -> None:
+    """``torch.tensor(data, device=...)`` and ``torch.as_tensor`` build on the CPU and move the result with
+    dispatch turned off (so torch would call CUDA): here they build on the CPU, then move through dispatch."""
+    if getattr(torch.tensor, "_emulated", False):
+        return
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def factory(*args: Any, _original: Any = original, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.pop("device", None)
+            made = _original(*args, **kwargs)
+            return made if device is None or torch.device(device).type == "cpu" else made.to(device)
+
+        factory._emulated = True  # type: ignore[attr-defined]
+        setattr(torch, name, factory)
+
+
 def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     """Emulated CUDA for this process (see the module docstring); returns the accelerator."""
     from deepspeed.accelerator import set_accelerator
@@ -237,6 +254,7 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     torch.cuda._lazy_init = lambda: None  # torch would refuse device="cuda" on a CPU-only build before dispatch
     _refuse_mixed_set_data()
     _unbound_process_groups()
+    _data_factories_through_dispatch()
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100/H200 (torch.distributed asks)
     if BACKEND.upper() not in vars(tdist.Backend):
         tdist.Backend.register_backend(BACKEND, _gloo, devices=["cpu"])

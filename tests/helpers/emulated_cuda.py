@@ -121,6 +121,16 @@ class EmulatedTensor(torch.Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         return self.elem.untyped_storage()
 
+    def tolist(self) -> Any:  # type: ignore[override]
+        if self.emu_device.type != "cpu":
+            LEDGER.sync("tolist")
+        return self.elem.tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        if self.emu_device.type != "cpu":
+            raise TypeError(f"can't convert {self.emu_device} device type tensor to numpy (emulated CUDA)")
+        return self.elem.numpy(force=force)
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"EmulatedTensor({self.elem!r}, device='{self.emu_device}')"
 
@@ -245,7 +255,7 @@ def _copy_rules(func, args: tuple, kwargs: dict, requested: torch.device | None)
 
 def _collective(func, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
     """A c10d operator: NCCL takes device tensors only; it runs on the CPU data over the real (gloo) group."""
-    if func.__name__ != "barrier" and any(device_of(t).type == "cpu" for t in tensors):
+    if func.overloadpacket.__name__ != "barrier" and any(device_of(t).type == "cpu" for t in tensors):
         raise RuntimeError(f"{NCCL_CPU_ERROR} (emulated NCCL rule, in {func})")
     originals = {id(_host(t)): t for t in tensors}
     out = func(*tree_map(_host, args), **tree_map(_host, kwargs))
