@@ -26,7 +26,7 @@ import torch
 import torch.distributed as tdist
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-from tests.helpers.emulated_cuda import LEDGER, EmulatedCuda, EmulatedTensor, device_of
+from tests.helpers.emulated_cuda import CURRENT, LEDGER, EmulatedCuda, EmulatedTensor, device_of
 
 BACKEND = "emulated_nccl"
 
@@ -82,7 +82,8 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
         self._name = "cuda"
         self._communication_backend_name = BACKEND
         self._device_count = device_count
-        self._current = int(os.environ.get("LOCAL_RANK", 0))
+        self._current = 0
+        self.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self._stream = EmulatedStream()
         self.reserved = 0  # the caching allocator's reserved bytes (the peak since the last empty_cache)
 
@@ -102,6 +103,7 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
         if not 0 <= int(device_index) < self._device_count:
             raise RuntimeError(f"CUDA error: invalid device ordinal (emulated: {self._device_count} device(s))")
         self._current = int(device_index)
+        CURRENT[0] = torch.device("cuda", self._current)
 
     def current_device(self) -> int:
         return self._current

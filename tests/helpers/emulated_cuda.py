@@ -37,6 +37,9 @@ NCCL_CPU_ERROR = "No backend type associated with device type cpu"
 # operators that take tensors of two devices by design (the copies), and c10d's barrier, whose tensor is its own
 _CROSS_DEVICE = {aten.copy_.default, aten._to_copy.default, aten._foreach_copy_.default, aten._foreach_copy.default}
 _PIN_ARG = "pin_memory"
+# The device C++ (autograd) sees for an emulated tensor: "meta", so that what autograd makes from a tensor's
+# options (a gradient cast back, zeros for a missing gradient) says so, and is put on the emulated device here.
+_AUTOGRAD_DEVICE = torch.device("meta")
 
 
 class HostLedger:
@@ -70,6 +73,7 @@ class HostLedger:
 
 
 LEDGER = HostLedger()
+CURRENT = [torch.device("cuda", 0)]  # the emulated current device (the accelerator sets it)
 
 
 class EmulatedTensor(torch.Tensor):
@@ -87,7 +91,7 @@ class EmulatedTensor(torch.Tensor):
             storage_offset=elem.storage_offset(),
             dtype=elem.dtype,
             layout=elem.layout,
-            device=elem.device,
+            device=_AUTOGRAD_DEVICE,
             requires_grad=elem.requires_grad,
         )
         wrapper.elem, wrapper.emu_device = elem, device
@@ -100,6 +104,10 @@ class EmulatedTensor(torch.Tensor):
     @property  # type: ignore[override]
     def is_cuda(self) -> bool:
         return self.emu_device.type == "cuda"
+
+    @property  # type: ignore[override]
+    def is_meta(self) -> bool:
+        return False
 
     def get_device(self) -> int:
         return self.emu_device.index if self.emu_device.type == "cuda" else -1
@@ -178,9 +186,16 @@ def _common_device(func, tensors: list[torch.Tensor]) -> torch.device | None:
     return common
 
 
-def _requested_device(kwargs: dict) -> torch.device | None:
+def _requested_device(kwargs: dict, tensors: list[torch.Tensor]) -> torch.device | None:
+    """The device an operator's ``device=`` asks for; "meta" (autograd, from an emulated tensor's options) means
+    the emulated device: its inputs' or, for a factory, the current one."""
     device = kwargs.get("device")
-    return None if device is None else torch.device(device)
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "meta":
+        return next((device_of(t) for t in tensors), None) or CURRENT[0]
+    return device
 
 
 def _check_readable(func, tensors: list[torch.Tensor]) -> None:
@@ -202,7 +217,7 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     if func.namespace == "c10d":
         return _collective(func, args, kwargs, tensors)
-    requested = _requested_device(kwargs)
+    requested = _requested_device(kwargs, tensors)
     if func in _CROSS_DEVICE:
         out_device = _copy_rules(func, args, kwargs, requested)
     elif func is aten._local_scalar_dense.default:
