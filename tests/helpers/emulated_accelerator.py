@@ -219,9 +219,16 @@ def _refuse_mixed_set_data() -> None:
 
 def _unbound_process_groups() -> None:
     """DeepSpeed binds the process group to ``cuda:LOCAL_RANK`` (``device_id``), which torch checks against the
-    accelerator it was built for: the emulated groups stay unbound (gloo underneath)."""
+    accelerator it was built for: the emulated groups stay unbound (gloo underneath). Their object collectives
+    (``broadcast_object_list``, ...) go through device tensors, as an NCCL group's do."""
     if getattr(tdist.init_process_group, "_emulated", False):
         return
+    from torch.distributed import distributed_c10d
+
+    object_device = distributed_c10d._get_object_coll_device
+    distributed_c10d._get_object_coll_device = lambda group=None: (
+        str(CURRENT[0]) if tdist.get_backend(group) == BACKEND else object_device(group)
+    )
     original = tdist.init_process_group
 
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
@@ -287,3 +294,14 @@ def model_device() -> Any:
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name()) if emulating() else nullcontext()
+
+
+def init_worker() -> None:
+    """A worker's start: emulated CUDA where ``EMULATED_CUDA=1``, then torch.distributed on the accelerator's
+    backend (``DIST_BACKEND`` overrides it: e.g. gloo for ranks sharing one GPU) at ``MASTER_PORT``."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    install_if_asked()
+    backend = os.environ.get("DIST_BACKEND", get_accelerator().communication_backend_name())
+    deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))

@@ -195,7 +195,7 @@ def _requested_device(kwargs: dict, tensors: list[torch.Tensor]) -> torch.device
     device = torch.device(device)
     if device.type == "meta":
         return next((device_of(t) for t in tensors), None) or CURRENT[0]
-    return device
+    return CURRENT[0] if device.type == "cuda" and device.index is None else device
 
 
 def _check_readable(func, tensors: list[torch.Tensor]) -> None:
