@@ -218,7 +218,7 @@ class MpiComm:
 
         return finish
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         host = self._host(tensor)
         self._wait(self.mpi.Iallreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM), "all-reduce")
         if host is not tensor:

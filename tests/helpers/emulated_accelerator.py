@@ -29,6 +29,7 @@ from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from tests.helpers.emulated_cuda import CURRENT, LEDGER, EmulatedCuda, EmulatedTensor, device_of
 
 BACKEND = "emulated_nccl"
+EMULATED = {"EMULATED_CUDA": "1"}  # a worker's environment: run on emulated CUDA
 
 
 class EmulatedStream:
@@ -277,7 +278,7 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
 
 def emulating() -> bool:
     """Whether this process runs on emulated CUDA (``EMULATED_CUDA=1`` in its environment)."""
-    return os.environ.get("EMULATED_CUDA") == "1"
+    return all(os.environ.get(key) == value for key, value in EMULATED.items())
 
 
 def install_if_asked() -> None:
