@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -140,12 +141,16 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
         return device_of(tensor).type == "cuda"
 
     def memory_allocated(self, device_index: int | None = None) -> int:
+        """The bytes of the storages of every emulated tensor alive on the device (found by the garbage
+        collector: slow, for tests)."""
         gc.collect()
         storages = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, EmulatedTensor) and obj.emu_device.type == "cuda":
-                storage = obj.elem.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+        with warnings.catch_warnings():  # looking at every object touches deprecated module attributes
+            warnings.simplefilter("ignore")
+            on_device = [o for o in gc.get_objects() if isinstance(o, EmulatedTensor) and o.emu_device.type == "cuda"]
+        for tensor in on_device:
+            storage = tensor.elem.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         allocated = sum(storages.values())
         self.reserved = max(self.reserved, allocated)
         return allocated
