@@ -277,6 +277,10 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     accelerator = EmulatedCudaAccelerator(count)
     set_accelerator(accelerator)
     _fused_adam_on_host_data()
+    if os.environ.get("EMULATED_CUDA_AWARE_MPI") == "1":  # the MPI takes device buffers (their host data here)
+        from ds_tensorshard.transports import mpi_comm
+
+        mpi_comm._cuda_aware = lambda: True
     EmulatedCuda().__enter__()
     return accelerator
 
