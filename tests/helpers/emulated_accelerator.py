@@ -17,6 +17,7 @@ holds NCCL's device rule, on a CPU-only torch.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import warnings
@@ -136,6 +137,18 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
 
     def default_stream(self, device_index: int | None = None) -> EmulatedStream:
         return self._stream
+
+    def _typed(self, dtype: torch.dtype) -> Any:
+        """``get_accelerator().FloatTensor(data)`` and the like: a tensor on the device, as CUDA's."""
+        return functools.partial(torch.tensor, dtype=dtype, device=self.current_device_name())
+
+    BFloat16Tensor = property(lambda self: self._typed(torch.bfloat16))  # noqa: N815 (DeepSpeed's names)
+    ByteTensor = property(lambda self: self._typed(torch.uint8))  # noqa: N815
+    DoubleTensor = property(lambda self: self._typed(torch.float64))  # noqa: N815
+    FloatTensor = property(lambda self: self._typed(torch.float32))  # noqa: N815
+    HalfTensor = property(lambda self: self._typed(torch.float16))  # noqa: N815
+    IntTensor = property(lambda self: self._typed(torch.int32))  # noqa: N815
+    LongTensor = property(lambda self: self._typed(torch.int64))  # noqa: N815
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return device_of(tensor).type == "cuda"

@@ -155,6 +155,9 @@ class EmulatedTensor(torch.Tensor):
             "version": 3,
         }
 
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        """The caching allocator's note that ``stream`` uses this memory: nothing to keep here (one stream)."""
+
     def tolist(self) -> Any:  # type: ignore[override]
         if self.emu_device.type != "cpu":
             LEDGER.sync("tolist")
@@ -266,13 +269,16 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     out = func(*unwrapped_args, **unwrapped_kwargs)
     if pin:
         LEDGER.pin(out)
-    wrap = out_device.type != "cpu" or any(isinstance(t, EmulatedTensor) for t in tensors)
+    # results on the host are plain CPU tensors (as on CUDA); an operator writing into an emulated tensor that
+    # lives on the host (a parameter offloaded by ``param.data = ...``) returns that tensor
+    emulated_input = any(isinstance(t, EmulatedTensor) for t in tensors)
+    wrap = out_device.type != "cpu" or (emulated_input and func._schema.is_mutable)
     wrapped = tree_map(lambda t: EmulatedTensor(t, out_device) if isinstance(t, torch.Tensor) and wrap else t, out)
     if out_device.type != "cpu" and not func.is_view:  # a kernel wrote these (in stream order): until a sync,
         for tensor in tree_flatten(out)[0]:  # not for another library to read (a view is no kernel)
             if isinstance(tensor, torch.Tensor):
                 LEDGER.written.add(tensor.untyped_storage().data_ptr())
-    if any(isinstance(t, EmulatedTensor) for t in tensors):
+    if wrap and emulated_input:
         return return_and_correct_aliasing(func, args, kwargs, wrapped)
     return wrapped
 
