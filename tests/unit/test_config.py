@@ -1,6 +1,7 @@
 """Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
 
 import logging
+import re
 
 import deepspeed
 import pytest
@@ -199,10 +200,12 @@ def test_fp16_is_refused_where_stock_gives_nothing_to_match(version, stage, refu
 @pytest.mark.parametrize("version", ["2.4.1", "2.12.1+cu126", "2.16.0", "2.16.0.dev20261201"])
 def test_unsupported_torch_versions_are_named(version, monkeypatch):
     monkeypatch.delenv("DS_TENSORSHARD_UNTESTED_TORCH", raising=False)
-    with pytest.raises(UnsupportedTorchVersion, match=rf"supports torch >=2\.13\.0,<2\.16 but torch {version} is"):
+    with pytest.raises(
+        UnsupportedTorchVersion, match=rf"supports torch >=2\.13\.0,<2\.16 but torch {re.escape(version)} is"
+    ):
         check_torch_version(version)
     monkeypatch.setenv("DS_TENSORSHARD_UNTESTED_TORCH", "1")
-    with pytest.warns(UserWarning, match=rf"torch {version} is installed.*DS_TENSORSHARD_UNTESTED_TORCH=1"):
+    with pytest.warns(UserWarning, match=rf"torch {re.escape(version)} is installed.*DS_TENSORSHARD_UNTESTED_TORCH=1"):
         check_torch_version(version)
 
 
