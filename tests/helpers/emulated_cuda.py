@@ -256,7 +256,8 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     elif func is aten.is_pinned.default:
         return device_of(args[0]).type == "cpu" and LEDGER.is_pinned(args[0])
     else:
-        _check_readable(func, tensors)
+        if not func.is_view:  # a view reads nothing
+            _check_readable(func, tensors)
         common = _common_device(func, tensors)
         out_device = requested or common or CPU
     pin = bool(kwargs.get(_PIN_ARG))
