@@ -282,9 +282,10 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         return self.reducer.buckets
 
     def drain(self) -> None:
-        """Complete every domain's reductions still in flight."""
+        """Complete every domain's reductions still in flight, and the host's part of them (ZeRO-Offload)."""
         for domain in self.domains.values():
             domain.reducer.drain()
+        self.shard.grads.settle()
 
     def broadcast(self) -> None:
         """Every domain's owners send their updated tensors to the other ranks of its group."""

@@ -15,6 +15,7 @@ a bucket's segment ``[b[0:2] | a[0:6]]`` is added into views ``buffer[6:8]`` and
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 
 from ds_tensorshard.datapath.buckets import Segment
 from ds_tensorshard.datapath.host import HostMemory
+from ds_tensorshard.datapath.host_worker import HostWorker
 from ds_tensorshard.datapath.plan import Block
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
@@ -63,6 +65,7 @@ class OwnedGradients:
         separate: set[torch.nn.Parameter],
     ) -> None:
         self.blocks, self.host, self.accum_dtype, self.device = blocks, host, accum_dtype, device
+        self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
         self.sections: list[Section] = []
         self.section_of: dict[torch.nn.Parameter, Section] = {}
         self._segments: dict[int, tuple[Segment, list[torch.Tensor], list[int], list[bool]]] = {}  # made once
@@ -127,33 +130,42 @@ class OwnedGradients:
     @torch.no_grad()
     def accept(self, segment: Segment, reduced: torch.Tensor) -> None:
         """Add this rank's reduced ``segment`` (its pieces back to back in ``reduced``) to the gradients: one
-        multi-tensor add per place the pieces are kept (with ZeRO-Offload, a host copy of the segment first)."""
+        multi-tensor add per place the pieces are kept. With ZeRO-Offload the segment (or each host piece beside
+        a Muon matrix kept on the device) crosses to pinned host memory without blocking, and the worker adds it
+        there once the copy is done."""
         views, sizes, on_host = self._destinations(segment)
-        whole = all(on_host)
-        if whole and self.host is not None:
-            reduced = self.host.fetch(reduced, self.accum_dtype)  # the whole segment crosses once
-        elif reduced.dtype != self.accum_dtype:
-            reduced = reduced.to(self.accum_dtype)
-        by_place: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for view, part, host_piece in zip(views, reduced.split(sizes), on_host):
-            if host_piece and not whole:  # a host piece beside a Muon matrix kept on the device
-                assert self.host is not None, "gradients cross to the host only with ZeRO-Offload"
-                part = self.host.fetch(part)
-            destinations, sources = by_place.setdefault(host_piece, ([], []))
-            destinations.append(view)
-            sources.append(part)
-        for destinations, sources in by_place.values():
-            torch._foreach_add_(destinations, sources)
+        if not any(on_host):
+            _add(views, reduced, sizes, self.accum_dtype)
+            return
+        assert self.host is not None and self.worker is not None, "host buffers only with ZeRO-Offload"
+        if all(on_host):  # the whole segment crosses once
+            staged, event = self.host.stage(reduced)
+            self.worker.submit(lambda: _add(views, staged, sizes, self.accum_dtype), event)
+            return
+        parts = reduced.split(sizes)  # Muon matrices kept on the device beside host pieces
+        near = [(view, part) for view, part, far in zip(views, parts, on_host) if not far]
+        torch._foreach_add_([view for view, _ in near], [part.to(self.accum_dtype) for _, part in near])
+        for view, part, far in zip(views, parts, on_host):
+            if far:
+                staged, event = self.host.stage(part)
+                self.worker.submit(functools.partial(_add, [view], staged, [view.numel()], self.accum_dtype), event)
+
+    def settle(self) -> None:
+        """The host's adds given so far are done (before the host buffers are read)."""
+        if self.worker is not None:
+            self.worker.settle()
 
     def set(self, param: torch.nn.Parameter, value: torch.Tensor, step: bool) -> None:
         """Set ``param``'s block of the accumulated (or, ``step``, the step's fp32) gradient to ``value``."""
+        self.settle()
         self.view(param, step).view(-1).copy_(value.reshape(-1))
 
     @torch.no_grad()
     def to_step(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         """The step's fp32 gradients from the accumulated ones: of every tensor (one cast per buffer that is not
-        fp32 already), or of ``params`` alone (an early update)."""
+        fp32 already), or of ``params`` alone (an early update, on the host worker)."""
         if params is None:
+            self.settle()
             for section in self.sections:
                 if section.step is not section.buffer:
                     section.step.copy_(section.buffer)
@@ -196,17 +208,24 @@ class OwnedGradients:
     @torch.no_grad()
     def zero(self) -> None:
         """The step is done: the accumulation starts again from zero."""
+        self.settle()
         for section in self.sections:
             section.buffer.zero_()
 
     def move(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The buffers to where ``moved`` puts them (``offload_states`` of ``lp_grads``); views are remade."""
+        self.settle()
         for section in self.sections:
             separate = section.step is not section.buffer
             section.buffer = moved(section.buffer)
             section.step = moved(section.step) if separate else section.buffer
         self._segments.clear()
         self._step_views.clear()
+
+
+def _add(views: list[torch.Tensor], reduced: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> None:
+    """``views`` += the parts of ``reduced`` (cast to ``dtype`` once): one multi-tensor add."""
+    torch._foreach_add_(views, list((reduced if reduced.dtype == dtype else reduced.to(dtype)).split(sizes)))
 
 
 def _sum_of_squares(flat: torch.Tensor) -> torch.Tensor:

@@ -159,9 +159,8 @@ class EmulatedTensor(torch.Tensor):
         """The caching allocator's note that ``stream`` uses this memory: nothing to keep here (one stream)."""
 
     def tolist(self) -> Any:  # type: ignore[override]
-        if self.emu_device.type != "cpu":
-            LEDGER.sync("tolist")
-        return self.elem.tolist()
+        """As CUDA's: a copy to the host (a host sync, dispatched: counted), then its values."""
+        return self.to("cpu").tolist()
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
         if self.emu_device.type != "cpu":

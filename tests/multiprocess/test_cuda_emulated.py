@@ -16,8 +16,8 @@ pytestmark = pytest.mark.cuda_emulated
 WORKER = os.path.join(WORKERS, "probe_worker.py")
 
 
-def run(check: str, out, world: int = 2, emulated: bool = True) -> list[dict]:
-    run_ranks([WORKER, check, str(out)], world, env=EMULATED if emulated else None)
+def run(check: str, out, world: int = 2, emulated: bool = True, mode: str = "ts") -> list[dict]:
+    run_ranks([WORKER, check, str(out), mode], world, env=EMULATED if emulated else None)
     return [json.load(open(f"{out}.rank{rank}.json")) for rank in range(world)]
 
 
@@ -47,4 +47,19 @@ def test_offload_states_frees_the_device_memory_as_stock(tmp_path):
         offloaded = ours[rank]["offloaded"]
         assert offloaded == {"params": ["cpu"], "masters": ["cpu"], "optimizer state": ["cpu"], "pinned": True}
         assert ours[rank]["reloaded"] == [f"cuda:{rank}"]
+        assert ours[rank]["losses"] == cpu[rank]["losses"]
+
+
+def test_zero_offload_keeps_the_host_work_off_the_autograd_thread(tmp_path):
+    """ZeRO-Offload where each tensor is updated as its last reduced piece arrives (bf16, no clipping), 32
+    buckets: a gradient hook only starts each segment's copy to pinned host memory (non-blocking, an event after
+    it): nothing in a hook waits on the host; the host adds the segments and runs the host optimizer on its
+    worker thread, once each copy's event is synchronized (a read before would be an error here). The CPU
+    run's training."""
+    ours = run("host-waits", tmp_path / "cuda", mode="ts-offload")
+    cpu = run("host-waits", tmp_path / "cpu", emulated=False, mode="ts-offload")
+    for rank in range(2):
+        assert ours[rank]["buckets"] >= 32 and ours[rank]["waits_in_hooks"] > 0, ours[rank]
+        assert ours[rank]["host_blocking_waits_in_hooks"] == 0 and ours[rank]["host_syncs_in_hooks"] == []
+        assert ours[rank]["host_optimizer_threads"] == cpu[rank]["host_optimizer_threads"] == ["ds_tensorshard-host"]
         assert ours[rank]["losses"] == cpu[rank]["losses"]

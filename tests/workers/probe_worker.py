@@ -129,9 +129,19 @@ class CountingTransport:
 
 
 def host_waits(rank: int, world: int, mode: str) -> dict:
-    config = ds_config("fp32", mode, 2, world)
+    """``mode`` ts, or ts-offload: ZeRO-Offload in bf16 without clipping or overflow check, where each tensor is
+    updated as its last piece arrives (datapath/early_update.py); then also where the host optimizer ran."""
+    dtype = "bf16" if mode == "ts-offload" else "fp32"
+    config = ds_config(dtype, mode, 2, world)
     config["tensorshard"]["bucket_numel"] = 900
+    if mode == "ts-offload":
+        config["gradient_clipping"] = 0.0
+        config["bf16"]["check_grad_overflow"] = False
     engine = engine_of(config)
+    host_steps: list[str] = []
+    inner = engine.optimizer.optimizer
+    inner_step = inner.step
+    inner.step = lambda *a, **k: (host_steps.append(threading.current_thread().name), inner_step(*a, **k))[1]
     probe = Probe()
     for domain in engine.optimizer.domains.values():
         probe.hooked(domain.reducer)
@@ -147,6 +157,7 @@ def host_waits(rank: int, world: int, mode: str) -> dict:
         "host_blocking_waits_in_hooks": sum(hooks),
         "waits_after_backward": sum(1 for _, inside in probe.waits if not inside),
         "host_syncs_in_hooks": probe.syncs_in_hooks,
+        "host_optimizer_threads": sorted(set(host_steps)),
         "losses": losses,
     }
 
