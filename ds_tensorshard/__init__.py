@@ -1,8 +1,10 @@
 """ds_tensorshard: tensor-granular ZeRO-1/2 for DeepSpeed. ``import ds_tensorshard`` registers it."""
 
-import deepspeed as _deepspeed
+from ds_tensorshard.quiet_import import import_deepspeed
 
-from ds_tensorshard.versions import check_deepspeed_version
+_deepspeed = import_deepspeed()
+
+from ds_tensorshard.versions import check_deepspeed_version  # noqa: E402
 
 check_deepspeed_version(_deepspeed.__version__)
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from ds_tensorshard.commands.cli import main as cli_main
-from ds_tensorshard.commands.cost_model import (
+from ds_tensorshard.commands.plan_report import meta_buckets
+from ds_tensorshard.datapath.buckets import build_stripes
+from ds_tensorshard.datapath.cost_model import (
     Network,
     all_gather,
     all_reduce,
@@ -19,8 +21,6 @@ from ds_tensorshard.commands.cost_model import (
     tensorshard_grouped_cost,
     tensorshard_stripes_cost,
 )
-from ds_tensorshard.commands.plan_report import meta_buckets
-from ds_tensorshard.datapath.buckets import build_stripes
 from ds_tensorshard.datapath.plan import plan_ownership
 
 NET = Network(alpha_us=10.0, bus_gbps=100.0, intra_node_ranks=4, intra_gbps=200.0)
