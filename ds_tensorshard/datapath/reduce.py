@@ -219,7 +219,7 @@ class OverlappedReducer:
         seen = {id(p) for p in observed}
         order = observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
         position = {id(p): i for i, p in enumerate(self.params)}
-        agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
+        agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64, device=self.comm.device)
         wait_or_fail(
             self.comm.start_broadcast(agreed, 0).wait,
             self.comm,

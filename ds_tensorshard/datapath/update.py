@@ -156,10 +156,16 @@ class OwnedShard:
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply every step gradient by ``factor``, one multi-tensor operation per device: a factor computed on
+        the accelerator is copied once to the host for the gradients kept there (ZeRO-Offload), since a
+        device scalar cannot enter a host kernel."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for param in self.masters:
             grad = self.step_gradient(param)
             if grad is not None:
-                grad.mul_(factor)
+                by_device.setdefault(grad.device, []).append(grad)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, torch.Tensor) else factor)
 
     @torch.no_grad()
     def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:

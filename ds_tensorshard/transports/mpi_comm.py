@@ -76,8 +76,9 @@ def _cuda_aware() -> bool:
 class MpiComm:
     """mpi4py collectives over the MPI communicator whose ranks are the data-parallel group's."""
 
-    def __init__(self, group, timeout_s: float) -> None:
+    def __init__(self, group, timeout_s: float, device: torch.device) -> None:
         MPI = _mpi()
+        self.device = torch.device(device)
         check_mpi_world()
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)

@@ -57,6 +57,8 @@ class Transport(Protocol):
     global_ranks: list[int]
     timeout_s: float
     name: str
+    device: torch.device
+    """Where the tensors of its collectives live: the engine's device (NCCL takes nothing else)."""
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""

@@ -23,8 +23,8 @@ from ds_tensorshard.transports.protocol import Pending, Span, all_of
 class TorchComm:
     """deepspeed.comm collectives over the data-parallel group."""
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
-        self.group = group
+    def __init__(self, group: Any, timeout_s: float, device: torch.device) -> None:
+        self.group, self.device = group, torch.device(device)
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
