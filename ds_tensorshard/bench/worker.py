@@ -114,6 +114,15 @@ def _count_mpi_collectives() -> None:
             return _original(self, flat, spans)
 
         setattr(mpi_comm.MpiComm, name, counted_segments)
+    for name in ("start_reduce_scatter", "start_all_gather"):  # a stripe: (n - 1) / n of its whole buffer
+        original = getattr(mpi_comm.MpiComm, name)
+
+        @functools.wraps(original)
+        def counted_stripe(self, flat, slot, _original=original, _name=name):
+            _SENT["mpi_" + _name] += (self.world_size - 1) / self.world_size * flat.numel() * flat.element_size()
+            return _original(self, flat, slot)
+
+        setattr(mpi_comm.MpiComm, name, counted_stripe)
 
 
 class Clock:
