@@ -30,7 +30,7 @@ from ds_tensorshard.datapath.cost_model import (
     stripes_padding,
     tensorshard_stripes_cost,
 )
-from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, MEASURED_ON_CPU, Wire, choose_layout
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, Wire, choose_layout, measured_on_cpu
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import PlanError
@@ -189,7 +189,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
             "padding_bytes_per_step": padding_per_step * element_bytes,
             "why": choice.why,
         },
-        "default_on_cpu": {**MEASURED_ON_CPU, "bucket_numel": DEFAULT_BUCKET_NUMEL},
+        "default_on_cpu": {t: measured_on_cpu(t, n) for t in ("torch", "mpi")} | {"bucket_numel": DEFAULT_BUCKET_NUMEL},
         "stock_zero2_defaults": asdict(stock),
     }
 

@@ -4,8 +4,9 @@ the backend and the world size (``bucket_layout: "auto"``, the default).
 - Explicit keys win: ``tensorshard.bucket_numel``, else ``zero_optimization.reduce_bucket_size``, is the bucket
   size; ``bucket_layout`` ``"windows"`` or ``"stripes"`` the layout. What they leave open is chosen as below, with
   the size they give where they give one.
-- CPU ranks (gloo, MPI over CPU): the layout measured faster on CPUs (``MEASURED_ON_CPU``, figures in
-  ``docs/performance.md``), in buckets of ``DEFAULT_BUCKET_NUMEL`` (the size measured).
+- CPU ranks (gloo, MPI over CPU): the layout measured faster on CPUs (:func:`measured_on_cpu`: windows on the
+  torch transport, on mpi windows below 4 ranks and stripes from 4; figures in ``docs/performance.md``), in
+  buckets of ``DEFAULT_BUCKET_NUMEL`` (the size measured).
 - Accelerators (NCCL and the like), more than one rank: stripes, by the α-β cost model (:mod:`.cost_model`, its
   default network): the most buckets whose predicted communication per step is at most ``TARGET`` x stock
   ZeRO-2's at its own defaults (``reduce_bucket_size`` 5e8), each flat buffer within those 5e8 elements; where no
@@ -45,10 +46,17 @@ if TYPE_CHECKING:
 
 DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: windows' size, and CPU ranks' (two buckets in flight cost little memory)
 TARGET = 0.9  # stripes on accelerators: the most buckets whose predicted time is at most this x stock ZeRO-2's
-# The layout measured faster on CPU ranks, per comm_backend ("ds-tensorshard bench --configs ts_torch_windows
-# ts_torch_stripes ts_mpi_windows ts_mpi_stripes" at 2 and 4 ranks; docs/performance.md, "Bucket layout on CPUs")
-MEASURED_ON_CPU: dict[str, Literal["windows", "stripes"]] = {"torch": "windows", "mpi": "windows"}
+# On CPU ranks, the fewest ranks from which stripes measured faster than windows, per comm_backend (None: windows
+# at every size measured); "ds-tensorshard bench --configs ts_torch_windows ts_torch_stripes ts_mpi_windows
+# ts_mpi_stripes" at 2 and 4 ranks, 6 runs each (docs/performance.md, "Bucket layout on CPU ranks, measured")
+STRIPES_ON_CPU_FROM: dict[str, int | None] = {"torch": None, "mpi": 4}
 Layout = Literal["windows", "stripes"]
+
+
+def measured_on_cpu(comm_backend: str, world_size: int) -> Layout:
+    """The layout measured faster on CPU ranks for this transport at this world size."""
+    fewest = STRIPES_ON_CPU_FROM[comm_backend]
+    return "stripes" if fewest is not None and world_size >= fewest else "windows"
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,8 @@ def layout_for(
         for block in domain.plan.blocks_of(param):
             owned[block.rank] += block.numel
     wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
-    return choose_layout(config, param_dict, wire, [p.numel() for p in domain.params], owned, dtype.itemsize)
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return choose_layout(config, param_dict, wire, [p.numel() for p in domain.params], owned, element_bytes)
 
 
 def choose_layout(
@@ -111,9 +120,10 @@ def choose_layout(
     given = f"{size_key} {size:,} set in the config" if size is not None else ""
     n = len(owned)
     if wire.on_cpu:
-        chosen = layout or MEASURED_ON_CPU[wire.comm_backend]
-        why = "bucket_layout set in the config" if layout else f"{chosen}: measured faster on CPU ranks"
-        why += f" ({wire.transport})"
+        chosen = layout or measured_on_cpu(wire.comm_backend, n)
+        other = "stripes" if chosen == "windows" else "windows"
+        why = "bucket_layout set in the config" if layout else f"{chosen}: measured faster than {other} on CPU ranks"
+        why += f" ({wire.transport} at {n} rank{'s' if n != 1 else ''})"
         return LayoutChoice(chosen, size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
     if n == 1 or layout == "windows":
         why = "one rank: nothing is communicated" if n == 1 else "bucket_layout set in the config"
@@ -143,8 +153,8 @@ def default_stripes(numels: Sequence[int], owned: Sequence[int], element_bytes: 
         f"bucket; none there is predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
     )
     return bucket, (
-        f"stripes of {bucket:,} elements ({(cost.launches - 1) // 2} buckets at {n} ranks): {rule} (cost model, "
-        f"{describe(net)}: {cost.seconds * 1e3:,.1f} ms against {stock * 1e3:,.1f} ms, {ratio:.2f}x)"
+        f"stripes, {(cost.launches - 1) // 2} buckets at {n} ranks: {rule} (cost model, {describe(net)}: "
+        f"{cost.seconds * 1e3:,.1f} ms against {stock * 1e3:,.1f} ms, {ratio:.2f}x)"
     )
 
 

@@ -15,14 +15,7 @@ from ds_tensorshard.datapath.cost_model import (
     stock_zero2_cost,
     tensorshard_stripes_cost,
 )
-from ds_tensorshard.datapath.defaults import (
-    DEFAULT_BUCKET_NUMEL,
-    MEASURED_ON_CPU,
-    TARGET,
-    Wire,
-    choose_layout,
-    requested_bucket_numel,
-)
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, TARGET, Wire, choose_layout, requested_bucket_numel
 from ds_tensorshard.datapath.plan import plan_ownership
 
 GLOO = Wire("torch", "torch (gloo)", on_cpu=True)
@@ -62,11 +55,16 @@ def test_a_cap_on_the_flat_buffer_sets_the_fewest_buckets_where_none_is_fast_eno
     assert "the fewest buckets" in choice.why and "13 buckets" in choice.why
 
 
-@pytest.mark.parametrize("wire", [GLOO, MPI_CPU])
-def test_cpu_ranks_take_the_layout_measured_faster_there(wire):
-    choice = choose(wire)
-    assert (choice.layout, choice.bucket_numel) == (MEASURED_ON_CPU[wire.comm_backend], DEFAULT_BUCKET_NUMEL)
-    assert "measured faster on CPU ranks" in choice.why and wire.transport in choice.why
+@pytest.mark.parametrize(
+    "wire, ranks, layout",
+    [(GLOO, 2, "windows"), (GLOO, 4, "windows"), (GLOO, 64, "windows")]
+    + [(MPI_CPU, 2, "windows"), (MPI_CPU, 3, "windows"), (MPI_CPU, 4, "stripes"), (MPI_CPU, 64, "stripes")],
+)
+def test_cpu_ranks_take_the_layout_measured_faster_there(wire, ranks, layout):
+    # gloo: windows at 2 and 4 ranks; MPI: windows at 2, stripes at 4 (docs/performance.md), so from 4 on
+    choice = choose(wire, owned=[10**6] * ranks)
+    assert (choice.layout, choice.bucket_numel) == (layout, DEFAULT_BUCKET_NUMEL)
+    assert f"{layout}: measured faster than" in choice.why and f"({wire.transport} at {ranks} ranks)" in choice.why
 
 
 def test_explicit_keys_win():
@@ -75,9 +73,9 @@ def test_explicit_keys_win():
     # a size alone: kept, the layout chosen for it (stripes on an accelerator, the measured one on CPU ranks)
     size = choose(NCCL, {"bucket_numel": 123})
     assert (size.layout, size.bucket_numel) == ("stripes", 123) and "tensorshard.bucket_numel 123" in size.why
-    assert (choose(GLOO, {"bucket_numel": 123}).bucket_numel, choose(GLOO, {"bucket_numel": 123}).layout) == (
-        123,
-        MEASURED_ON_CPU["torch"],
+    assert (choose(GLOO, {"bucket_numel": 123}).layout, choose(MPI_CPU, {"bucket_numel": 123}).layout) == (
+        "windows",
+        "stripes",  # 8 ranks
     )
     # stock's reduce_bucket_size is a size the config sets; tensorshard.bucket_numel comes before it
     stock_size = choose(NCCL, zero={"stage": 2, "reduce_bucket_size": 5e7})
