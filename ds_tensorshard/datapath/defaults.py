@@ -99,7 +99,7 @@ def layout_for(
         for block in domain.plan.blocks_of(param):
             owned[block.rank] += block.numel
     wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
-    element_bytes = torch.empty((), dtype=dtype).element_size()
+    element_bytes = dtype.itemsize
     return choose_layout(config, param_dict, wire, [p.numel() for p in domain.params], owned, element_bytes)
 
 

@@ -17,8 +17,10 @@ holds NCCL's device rule, on a CPU-only torch.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import warnings
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +31,7 @@ from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from tests.helpers.emulated_cuda import CURRENT, LEDGER, EmulatedCuda, EmulatedTensor, device_of
 
 BACKEND = "emulated_nccl"
+EMULATED = {"EMULATED_CUDA": "1"}  # a worker's environment: run on emulated CUDA
 
 
 class EmulatedStream:
@@ -135,16 +138,32 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
     def default_stream(self, device_index: int | None = None) -> EmulatedStream:
         return self._stream
 
+    def _typed(self, dtype: torch.dtype) -> Any:
+        """``get_accelerator().FloatTensor(data)`` and the like: a tensor on the device, as CUDA's."""
+        return functools.partial(torch.tensor, dtype=dtype, device=self.current_device_name())
+
+    BFloat16Tensor = property(lambda self: self._typed(torch.bfloat16))  # noqa: N815 (DeepSpeed's names)
+    ByteTensor = property(lambda self: self._typed(torch.uint8))  # noqa: N815
+    DoubleTensor = property(lambda self: self._typed(torch.float64))  # noqa: N815
+    FloatTensor = property(lambda self: self._typed(torch.float32))  # noqa: N815
+    HalfTensor = property(lambda self: self._typed(torch.float16))  # noqa: N815
+    IntTensor = property(lambda self: self._typed(torch.int32))  # noqa: N815
+    LongTensor = property(lambda self: self._typed(torch.int64))  # noqa: N815
+
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return device_of(tensor).type == "cuda"
 
     def memory_allocated(self, device_index: int | None = None) -> int:
+        """The bytes of the storages of every emulated tensor alive on the device (found by the garbage
+        collector: slow, for tests)."""
         gc.collect()
         storages = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, EmulatedTensor) and obj.emu_device.type == "cuda":
-                storage = obj.elem.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+        with warnings.catch_warnings():  # looking at every object touches deprecated module attributes
+            warnings.simplefilter("ignore")
+            on_device = [o for o in gc.get_objects() if isinstance(o, EmulatedTensor) and o.emu_device.type == "cuda"]
+        for tensor in on_device:
+            storage = tensor.elem.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         allocated = sum(storages.values())
         self.reserved = max(self.reserved, allocated)
         return allocated
@@ -271,13 +290,17 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     accelerator = EmulatedCudaAccelerator(count)
     set_accelerator(accelerator)
     _fused_adam_on_host_data()
+    if os.environ.get("EMULATED_CUDA_AWARE_MPI") == "1":  # the MPI takes device buffers (their host data here)
+        from ds_tensorshard.transports import mpi_comm
+
+        mpi_comm._cuda_aware = lambda: True
     EmulatedCuda().__enter__()
     return accelerator
 
 
 def emulating() -> bool:
     """Whether this process runs on emulated CUDA (``EMULATED_CUDA=1`` in its environment)."""
-    return os.environ.get("EMULATED_CUDA") == "1"
+    return all(os.environ.get(key) == value for key, value in EMULATED.items())
 
 
 def install_if_asked() -> None:

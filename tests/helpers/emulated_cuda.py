@@ -51,6 +51,7 @@ class HostLedger:
         self.host_syncs: Counter[str] = Counter()
         self.pinned: dict[int, int] = {}  # pinned storage data_ptr -> bytes
         self.unsynced: dict[int, str] = {}  # host storage data_ptr -> the copy still in flight into it
+        self.written: set[int] = set()  # device storages kernels wrote since the last synchronize
         self.on_sync: list = []  # callbacks for tests
 
     def sync(self, why: str) -> None:
@@ -68,8 +69,9 @@ class HostLedger:
         return _host(tensor).untyped_storage().data_ptr() in self.pinned
 
     def settle(self) -> None:
-        """Every copy in flight has completed (an event or the stream it was on was synchronized)."""
+        """Every kernel and copy in flight has completed (an event or the stream it was on was synchronized)."""
         self.unsynced.clear()
+        self.written.clear()
 
 
 LEDGER = HostLedger()
@@ -128,6 +130,33 @@ class EmulatedTensor(torch.Tensor):
 
     def untyped_storage(self) -> torch.UntypedStorage:
         return self.elem.untyped_storage()
+
+    @property
+    def __dlpack__(self) -> Any:  # type: ignore[override]
+        """Absent: other libraries (mpi4py) then take the device memory through ``__cuda_array_interface__``."""
+        raise AttributeError("emulated CUDA tensors give their memory through __cuda_array_interface__")
+
+    @property
+    def __cuda_array_interface__(self) -> dict:  # type: ignore[override]
+        """Device memory handed to another library (a CUDA-aware MPI): it reads it now, on the host's time, so a
+        kernel that may still be writing it (no synchronize since) is an error here."""
+        if self.elem.untyped_storage().data_ptr() in LEDGER.written:
+            raise RuntimeError(
+                "emulated CUDA: device memory handed to another library (__cuda_array_interface__) while a kernel "
+                "may still be writing it; synchronize the stream that produced it first"
+            )
+        typestr = {torch.float32: "<f4", torch.float64: "<f8", torch.int16: "<i2", torch.int64: "<i8"}[self.dtype]
+        strides = tuple(s * self.element_size() for s in self.stride())
+        return {
+            "shape": tuple(self.shape),
+            "typestr": typestr,
+            "data": (self.elem.data_ptr(), False),
+            "strides": strides,
+            "version": 3,
+        }
+
+    def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+        """The caching allocator's note that ``stream`` uses this memory: nothing to keep here (one stream)."""
 
     def tolist(self) -> Any:  # type: ignore[override]
         if self.emu_device.type != "cpu":
@@ -227,7 +256,8 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     elif func is aten.is_pinned.default:
         return device_of(args[0]).type == "cpu" and LEDGER.is_pinned(args[0])
     else:
-        _check_readable(func, tensors)
+        if not func.is_view:  # a view reads nothing
+            _check_readable(func, tensors)
         common = _common_device(func, tensors)
         out_device = requested or common or CPU
     pin = bool(kwargs.get(_PIN_ARG))
@@ -240,9 +270,16 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     out = func(*unwrapped_args, **unwrapped_kwargs)
     if pin:
         LEDGER.pin(out)
-    wrap = out_device.type != "cpu" or any(isinstance(t, EmulatedTensor) for t in tensors)
+    # results on the host are plain CPU tensors (as on CUDA); an operator writing into an emulated tensor that
+    # lives on the host (a parameter offloaded by ``param.data = ...``) returns that tensor
+    emulated_input = any(isinstance(t, EmulatedTensor) for t in tensors)
+    wrap = out_device.type != "cpu" or (emulated_input and func._schema.is_mutable)
     wrapped = tree_map(lambda t: EmulatedTensor(t, out_device) if isinstance(t, torch.Tensor) and wrap else t, out)
-    if any(isinstance(t, EmulatedTensor) for t in tensors):
+    if out_device.type != "cpu" and not func.is_view:  # a kernel wrote these (in stream order): until a sync,
+        for tensor in tree_flatten(out)[0]:  # not for another library to read (a view is no kernel)
+            if isinstance(tensor, torch.Tensor):
+                LEDGER.written.add(tensor.untyped_storage().data_ptr())
+    if wrap and emulated_input:
         return return_and_correct_aliasing(func, args, kwargs, wrapped)
     return wrapped
 

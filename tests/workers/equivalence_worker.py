@@ -142,7 +142,7 @@ def run_case(case: str, out_dir: str) -> None:
                 "master_devices": sorted({str(m.device) for g in optimizer.param_groups for m in g["params"]}),
                 "host_traffic": None if optimizer.host is None else vars(optimizer.host.traffic).copy(),
                 "last_update_at": optimizer.last_update_at,
-                "masters_pinned": torch.cuda.is_available()
+                "masters_pinned": get_accelerator().device_name() != "cpu"
                 and all(m.is_pinned() for g in optimizer.param_groups for m in g["params"]),
             }
         )
