@@ -37,11 +37,13 @@ from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import (
     Decision,
     NormRules,
+    check_steps,
     counted_in_norm,
     decide,
     expert_norm_averaging,
     global_norm,
     loss_scaler_of,
+    read_on_host,
     sum_over_ranks,
 )
 from ds_tensorshard.datapath.offload import StateOffload
@@ -200,7 +202,8 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         ]
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host)
+        counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         self.offload = StateOffload(self.shard, self.params)
 
@@ -350,15 +353,19 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.drain()
         self.shard.gradients_to_masters()
         step = self._step_of()
-        squares = self.shard.squared_grad_norms(lambda p: counted_in_norm(p, self.model_parallel_rank))
+        squares = self.shard.squared_grad_norms()
         describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
-        partials = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
+        partials, steps = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
         norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
-        self.overflow = self.rules.checks_overflow and invalid
         before = self.loss_scale
+        summed, unscaled, bad = read_on_host(steps, norm, invalid, before)  # the step's one host sync
+        check_steps(summed, step, self.comm)
+        self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
-        self._decision = decide(norm, self.overflow, before, self.loss_scale, self.rules, self._global_grad_norm)
+        self._decision = decide(
+            norm, unscaled, self.overflow, before, self.loss_scale, self.rules, self._global_grad_norm
+        )
         self._global_grad_norm = self._decision.reported
         self._defer_broadcast = defer_broadcast
         self.phase = Phase.PREPARED

@@ -81,8 +81,7 @@ class StateOffload:
                 param.data = moved(param.data)
             shard.relink_views()
         elif state is OffloadStateTypeEnum.lp_grads:
-            for param, grad in shard.accumulated.items():
-                shard.accumulated[param] = moved(grad)
+            shard.move_grads(moved)
         elif state is OffloadStateTypeEnum.optim_states:
             for values in shard.optimizer.state.values():
                 for key, value in values.items():

@@ -142,7 +142,7 @@ def test_fp16_stage1_follows_stocks_loss_scale_through_overflows(features):
 
 NORM_MEMORY = """
 import resource, sys, torch
-from ds_tensorshard.datapath import update
+from ds_tensorshard.datapath import gradients, update
 from ds_tensorshard.datapath.plan import Block
 
 
@@ -150,12 +150,12 @@ def shard_with_grad(numel):
     param = torch.nn.Parameter(torch.zeros(numel))
     optimizer = torch.optim.SGD([param], lr=0.1)
     shard = update.OwnedShard(optimizer, [[(param, Block(0, 0, numel))]], torch.float32, torch.device("cpu"))
-    shard.masters[param].grad = torch.full((numel,), 0.5)
+    shard.grads.set(param, torch.full((numel,), 0.5), step=True)
     return shard
 
 
 if sys.argv[1] == "whole":
-    update.NORM_CHUNK = 1 << 40  # the control: one chunk, the fp64 copy of the whole tensor
+    gradients.NORM_CHUNK = 1 << 40  # the control: one chunk, the fp64 copy of the whole tensor
 shard_with_grad(1 << 20).squared_grad_norms()  # the same code once, small: its kernels and BLAS set up
 shard = shard_with_grad(50_000_000)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -334,13 +334,16 @@ def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():
         reduced = safe_get_full_grad(model[0].weight)
         opt.prepare_step()  # from here the step's gradient is the one kept on the device
         assert torch.equal(safe_get_full_grad(model[0].weight), reduced)
-        assert opt.shard.step_gradient(model[0].weight) is opt.shard.device_grads[model[0].weight]
+        sections = opt.shard.grads.section_of
+        muon_sections = {id(sections[p]) for p in opt.shard.on_device}  # the matrices' gradient buffers
+        assert all(sections[p].step.device == engine.device for p in opt.shard.on_device)
+        assert muon_sections.isdisjoint(id(sections[p]) for p in opt.shard.masters if p not in opt.shard.on_device)
         engine.step()
         crossed = {k: v - before[k] for k, v in vars(opt.host.traffic).items()}
         lent = 4 * matrices if engine.global_steps > 1 else 0  # the first step's momentum starts as zeros there
-        # to the host: the vectors' gradients, the squares of the matrices' gradients for the norm (fp64, one
-        # each), their momentum and their update
-        to_host = 4 * (owned - matrices) + 8 * 2 + 8 * matrices
+        # to the host: the vectors' gradients, the sum of squares of each matrix buffer for the norm (fp64),
+        # the matrices' momentum and their update
+        to_host = 4 * (owned - matrices) + 8 * len(muon_sections) + 8 * matrices
         assert crossed == {"to_host": to_host, "to_device": lent + 4 * owned}, crossed
     state = opt.optimizer.state
     keys = {k for m in opt.shard.masters.values() for k in state[m]}
