@@ -1,9 +1,12 @@
 """ds_tensorshard: tensor-granular ZeRO-1/2 for DeepSpeed. ``import ds_tensorshard`` registers it."""
 
-import deepspeed as _deepspeed
 import torch as _torch
 
-from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
+from ds_tensorshard.quiet_import import import_deepspeed
+
+_deepspeed = import_deepspeed()
+
+from ds_tensorshard.versions import check_deepspeed_version, check_torch_version  # noqa: E402
 
 check_deepspeed_version(_deepspeed.__version__)
 check_torch_version(_torch.__version__)

@@ -25,9 +25,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
-from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
+from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.defaults import layout_for
 from ds_tensorshard.datapath.domains import DENSE, Domain, domain_names, process_group_of
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
@@ -128,11 +129,11 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
         attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
         if engine.global_rank == 0:
-            layout = "stripes" if self.stripes else "windows"
             logger.info(
                 f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
-                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} "
-                f"{layout} of at most {self.bucket_numel:,} elements, fullest rank / ideal {self.plan.imbalance:.4f}; "
+                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} {self.layout.layout} of at "
+                f"most {self.bucket_numel:,} elements ({self.layout.why}), fullest rank / ideal "
+                f"{self.plan.imbalance:.4f}; "
                 f"{describe_zero_mapping(engine._config._param_dict)}"
             )
             for domain in (d for d in self.domains.values() if d.expert):
@@ -217,8 +218,10 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
             lambda: not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline),
             self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
         )
-        self.bucket_numel = bucket_numel(config, engine._config._param_dict)
-        self.stripes = config.bucket_layout == "stripes"
+        dense = self.domains[DENSE]
+        on_cpu = engine.device.type == "cpu"
+        self.layout = layout_for(config, engine._config._param_dict, dense, on_cpu, self.dtype)  # datapath/defaults.py
+        self.bucket_numel, self.stripes = self.layout.bucket_numel, self.layout.layout == "stripes"
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
         if updates_early(self.rules, self.host is not None) and not pipeline:
             self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)

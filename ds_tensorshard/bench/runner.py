@@ -25,6 +25,7 @@ from typing import Any
 
 from ds_tensorshard.bench.worker import (
     CONFIGS,
+    LAYOUT_CONFIGS,
     LORA_RANK,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
@@ -44,6 +45,10 @@ LABELS = {
     "zero2_offload": "stock ZeRO-2 + offload",
     "ts_offload": "ds_tensorshard + offload (torch)",
     "ts_offload_mpi": "ds_tensorshard + offload (mpi)",
+    "ts_torch_windows": "ds_tensorshard (torch), windows",
+    "ts_torch_stripes": "ds_tensorshard (torch), stripes",
+    "ts_mpi_windows": "ds_tensorshard (mpi), windows",
+    "ts_mpi_stripes": "ds_tensorshard (mpi), stripes",
     "two_zero2": "2 models: stock ZeRO-2 each",
     "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
     "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many",
@@ -130,6 +135,9 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
         "optimizer_state_bytes_fullest": max(state),
         "optimizer_state_bytes_total": sum(state),
         "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
+        "aten_ops_per_step": max(r["aten_ops_per_step"] for r in ranks),
+        "host_syncs_per_step": max(r["host_syncs_per_step"] for r in ranks),
+        "aten_ops_per_step_by_rank": [r["aten_ops_per_step"] for r in ranks],
         **(
             {
                 "newton_schulz_fullest_over_ideal": max(r["newton_schulz_work"] for r in ranks)
@@ -168,16 +176,23 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
-        "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |",
-        "|---" * 11 + "|",
+        "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB | ATen ops/step | host syncs/step |",
+        "|---" * 13 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
             f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
-            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |"
+            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} | "
+            f"{r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
+    lines += [
+        "",
+        "ATen ops/step, host syncs/step: the ATen operators one step() dispatches after backward and the host syncs "
+        "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
+        "is on the host, so only the scalar reads), on one more, untimed step, the rank with the most.",
+    ]
     if any(r["host_bytes_per_rank"] for r in results):
         lines += [
             "",
@@ -242,9 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + OFFLOAD_CONFIGS + TWO_MODEL_CONFIGS,
-        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}) or two-model "
-        f"ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
+        choices=CONFIGS + OFFLOAD_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS,
+        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)} and the "
+        f"explicit bucket layouts {', '.join(LAYOUT_CONFIGS)}) or two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), "
+        "not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)

@@ -10,6 +10,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_full_grad
 
 import ds_tensorshard
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL
 from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion, UnsupportedTorchVersion
 from ds_tensorshard.versions import check_deepspeed_version, check_torch_version, fp16_refusal
 
@@ -148,6 +149,19 @@ def test_single_rank_owns_everything_and_inspects_plan():
     assert opt.plan.numel_per_rank == (sum(p.numel() for p in model.parameters()),)
     assert all(opt.plan.owner(p) == 0 for p in model.parameters())
     assert opt.param_groups is engine.basic_optimizer.param_groups
+
+
+def test_start_up_line_says_which_buckets_were_chosen_and_why(ds_log):
+    _, _, opt = initialize(base_config())  # a CPU rank, gloo, no bucket key: the layout measured faster there
+    assert (opt.layout.layout, opt.bucket_numel) == ("windows", DEFAULT_BUCKET_NUMEL)
+    last_start_up_line = lambda: [line for line in ds_log if line.startswith("ds_tensorshard: stage 2")][-1]  # noqa: E731
+    assert f"{opt.layout.layout} of at most 4,000,000 elements ({opt.layout.why})" in last_start_up_line()
+    assert "windows: measured faster than stripes on CPU ranks (torch (gloo) at 1 rank)" in last_start_up_line()
+    _, _, opt = initialize(base_config(tensorshard={"enabled": True, "bucket_layout": "stripes", "bucket_numel": 8}))
+    assert opt.stripes and opt.bucket_numel == 8
+    assert "stripes of at most 8 elements (bucket_layout and tensorshard.bucket_numel set" in last_start_up_line()
+    _, _, opt = initialize(base_config(zero_optimization={"stage": 2, "reduce_bucket_size": 9}))
+    assert opt.bucket_numel == 9 and "zero_optimization.reduce_bucket_size 9 set in the config" in opt.layout.why
 
 
 def test_install_is_idempotent():
