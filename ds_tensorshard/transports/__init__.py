@@ -1,19 +1,24 @@
 """The transports the data path's collectives run on: the protocol, torch (deepspeed.comm), mpi (mpi4py),
-and the deadline every wait has."""
+the deadline every wait has, the order of the job's end (shutdown) and a store per torchrun round (elastic_store)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ds_tensorshard.transports import shutdown
 from ds_tensorshard.transports.protocol import Transport
 
 
 def open_transport(backend: str, group: Any, timeout_s: float) -> Transport:
-    """The ``tensorshard.comm_backend`` transport over the data-parallel ``group``."""
+    """The ``tensorshard.comm_backend`` transport over the data-parallel ``group``, ended in order at exit."""
+    comm: Transport
     if backend == "mpi":
         from ds_tensorshard.transports.mpi_comm import MpiComm
 
-        return MpiComm(group, timeout_s)
-    from ds_tensorshard.transports.torch_comm import TorchComm
+        comm = MpiComm(group, timeout_s)
+    else:
+        from ds_tensorshard.transports.torch_comm import TorchComm
 
-    return TorchComm(group, timeout_s)
+        comm = TorchComm(group, timeout_s)
+    shutdown.register(comm)
+    return comm
