@@ -37,7 +37,7 @@ from ds_tensorshard.config import (
     validate_parallel_layout,
 )
 from ds_tensorshard.datapath.inner_optimizer import check_supported
-from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.errors import PeerLost, TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.transports import elastic_store, shutdown
 
 if TYPE_CHECKING:
@@ -81,7 +81,12 @@ def _all_arrived(config: TensorShardConfig) -> None:
     import torch.distributed
 
     if torch.distributed.is_initialized():
-        shutdown.all_arrived(config.timeout_s, "deepspeed.initialize", mpi=False)
+        try:
+            shutdown.all_arrived(config.timeout_s, "deepspeed.initialize", mpi=False)
+        except PeerLost as err:
+            if config.comm_backend == "mpi":
+                shutdown.fail(str(err), mpi=True)
+            raise
     if config.comm_backend == "mpi":
         from ds_tensorshard.transports.mpi_comm import check_mpi_world
 
@@ -172,8 +177,12 @@ def install() -> None:
 
 
 def installed() -> bool:
-    return stock_tools.installed() and elastic_store.installed() and all(
-        getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
-        for name in _WRAPPERS
-        if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)
+    return (
+        stock_tools.installed()
+        and elastic_store.installed()
+        and all(
+            getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
+            for name in _WRAPPERS
+            if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)
+        )
     )

@@ -63,8 +63,12 @@ def wait_with_deadline(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, a peer's process gone
+
+
 def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], str]) -> Any:
-    """``wait()``; past the deadline, the diagnosis and the transport's ``fail`` (raise or abort)."""
+    """``wait()``; past the deadline, or where a peer's process is gone, the diagnosis and the transport's
+    ``fail`` (raise or abort)."""
     try:
         return wait()
     except CollectiveTimeout as err:
@@ -72,5 +76,13 @@ def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], s
         comm.fail(
             f"ds_tensorshard: {place}: {err} did not complete within tensorshard.timeout_s="
             f"{comm.timeout_s:g} s on the {comm.name} transport; "
+            f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
+        )
+    except RuntimeError as err:
+        if not any(words in str(err) for words in LOST_PEER):
+            raise
+        place = where()
+        comm.fail(
+            f"ds_tensorshard: {place}: a rank was lost on the {comm.name} transport ({str(err)[:300]}); "
             f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
         )

@@ -55,14 +55,16 @@ def _mpi_world() -> Any | None:
     return None if MPI.Is_finalized() else MPI.COMM_WORLD
 
 
-def _torch_barrier(timeout_s: float) -> None:
-    """A barrier of the default group, given up after ``timeout_s`` (a lost peer's gloo error raises at once)."""
+def _torch_barrier(timeout_s: float | None) -> None:
+    """A barrier of the default group, given up after ``timeout_s`` (a lost peer's gloo error raises at once);
+    None: the process group's own timeout."""
     import torch.distributed as tdist
 
-    tdist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
+    work = tdist.barrier(async_op=True)
+    work.wait() if timeout_s is None else work.wait(timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def all_arrived(timeout_s: float, where: str, mpi: bool) -> None:
+def all_arrived(timeout_s: float | None, where: str, mpi: bool, source: str = "tensorshard.timeout_s") -> None:
     """Every rank at ``where`` within ``timeout_s``, or :class:`PeerLost` naming the wait and who is missing."""
     import torch.distributed as tdist
 
@@ -72,7 +74,7 @@ def all_arrived(timeout_s: float, where: str, mpi: bool) -> None:
         if mpi:
             from mpi4py import MPI
 
-            if not wait_with_deadline(MPI.COMM_WORLD.Ibarrier().Test, timeout_s):
+            if not wait_with_deadline(MPI.COMM_WORLD.Ibarrier().Test, timeout_s or float("inf")):
                 raise TimeoutError(f"{timeout_s:g} s passed")
         what = "a torch.distributed barrier of the default group"
         if torch_up:
@@ -81,9 +83,13 @@ def all_arrived(timeout_s: float, where: str, mpi: bool) -> None:
         rank = tdist.get_rank() if torch_up else _mpi_rank()
         missing = missing_ranks(rank, list(range(tdist.get_world_size())), where) if torch_up else ""
         raise PeerLost(
-            f"ds_tensorshard: {where}: rank {rank} waited for every rank in {what}, which did not complete within "
-            f"{timeout_s:g} s (tensorshard.timeout_s; {type(err).__name__}: {str(err)[:300]}); {missing}"
+            f"ds_tensorshard: {where}: rank {rank} waited for every rank in {what} for at most "
+            f"{_seconds(timeout_s, source)}, which failed ({type(err).__name__}: {str(err)[:300]}); {missing}"
         ) from None
+
+
+def _seconds(timeout_s: float | None, source: str) -> str:
+    return "the process group's timeout" if timeout_s is None else f"{timeout_s:g} s ({source})"
 
 
 def _mpi_rank() -> int:
@@ -92,29 +98,36 @@ def _mpi_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def _fail(message: str, mpi_world: Any | None) -> None:
+def fail(message: str, mpi: bool) -> None:
+    """Print ``message`` and end this rank without waiting for anyone: under MPI the whole job (``Abort``, so that
+    mpiexec returns), else this process with exit status 1."""
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
-    if mpi_world is not None:
-        mpi_world.Abort(1)
+    if mpi:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
     os._exit(1)
 
 
 def close() -> None:
     """End the job in order: wait for every rank, destroy the process groups, free the plugin's MPI
-    communicators, finalize MPI. Registered with :func:`atexit`; a no-op after an uncaught exception."""
+    communicators, finalize MPI. Registered with :func:`atexit` (a no-op there after an uncaught exception);
+    also what ``torch_comm.close_process_group`` does. Without a transport of the plugin the barrier has the
+    process group's own timeout."""
     import torch.distributed as tdist
 
-    if getattr(sys, "last_value", None) is not None or not _registered:
+    if getattr(sys, "last_value", None) is not None:
         return
-    timeout_s = max(comm.timeout_s for comm in _registered) + 2 * GRACE_S
+    timeout_s = max(comm.timeout_s for comm in _registered) + 2 * GRACE_S if _registered else None
     mpi_world = _mpi_world()
     if tdist.is_initialized() or mpi_world is not None:
         try:
-            all_arrived(timeout_s, "at exit, before destroying the process group", mpi_world is not None)
+            where, source = "at exit, before destroying the process group", f"tensorshard.timeout_s + {2 * GRACE_S:g} s"
+            all_arrived(timeout_s, where, mpi_world is not None, source)
         except PeerLost as err:
-            _fail(str(err), mpi_world)
+            fail(str(err), mpi_world is not None)
     if tdist.is_initialized():
         gc.collect()  # work objects in reference cycles go now, while gloo can finish with them
         tdist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -186,3 +187,27 @@ def test_full_tensor_accessors_on_the_mpi_transport(tmp_path):
         assert_run_matches(ours, stock, "fp32", f"mpi rank {rank}")
         assert ours["set_read_back"] == stock["set_read_back"] and all(ours["set_read_back"].values())
         assert all(message.startswith(("TensorAccessError", "AssertionError")) for message in ours["refusals"].values())
+
+
+RETURNING = os.path.join(WORKERS, "returning_script.py")
+EXIT_REPEATS = 3
+
+
+def test_a_script_that_returns_exits_0_with_the_job_ended_in_order():
+    """A script that just returns (tests/workers/returning_script.py, mpi transport, no teardown of its own),
+    ``EXIT_REPEATS`` times under mpiexec: every launch exits 0, and a handler the script registered before
+    ``deepspeed.initialize`` (run after the plugin's) finds the process group destroyed and MPI finalized, while the
+    interpreter was whole: gloo's threads cannot outlive it (ds_tensorshard/transports/shutdown.py). The
+    multihost tier repeats it across two hosts (tests/multiprocess/test_multihost.py)."""
+    codes = []
+    for _ in range(EXIT_REPEATS):
+        proc = run_in_group(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "ds_tensorshard", RETURNING, "tsmpi"],
+            env=mpi_env(free_port()),
+            timeout=TIMEOUT_S,
+        )
+        codes.append(proc.returncode)
+        out = proc.stdout + proc.stderr
+        assert sorted(re.findall(r"AT EXIT rank=(\d) process_group=False mpi_finalized=True", out)) == ["0", "1"], out
+        assert "terminate called" not in out, out[-3000:]
+    assert codes == [0] * EXIT_REPEATS, codes
