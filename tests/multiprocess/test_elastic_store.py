@@ -13,6 +13,7 @@ import os
 import re
 import time
 
+import pytest
 from torch.distributed import TCPStore
 
 from tests.helpers import WORKERS
@@ -58,6 +59,7 @@ def test_each_round_gets_a_store_of_its_own_where_the_agent_shares_one():
     assert len({agent.port, port0, port1}) == 3 and (stale0, stale1) == ("False", "False")
 
 
+@pytest.mark.extended
 def test_without_the_plugin_the_restarted_round_finds_the_previous_rounds_keys():
     agent = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     first = run_round(agent, False, 0.0, 0)

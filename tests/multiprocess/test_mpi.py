@@ -190,7 +190,7 @@ def test_full_tensor_accessors_on_the_mpi_transport(tmp_path):
 
 
 RETURNING = os.path.join(WORKERS, "returning_script.py")
-EXIT_REPEATS = 3
+EXIT_REPEATS = 2
 
 
 def test_a_script_that_returns_exits_0_with_the_job_ended_in_order():
