@@ -76,8 +76,9 @@ def _cuda_aware() -> bool:
 class MpiComm:
     """mpi4py collectives over the MPI communicator whose ranks are the data-parallel group's."""
 
-    def __init__(self, group, timeout_s: float) -> None:
+    def __init__(self, group, timeout_s: float, device: torch.device) -> None:
         MPI = _mpi()
+        self.device = torch.device(device)
         check_mpi_world()
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
@@ -217,7 +218,7 @@ class MpiComm:
 
         return finish
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         host = self._host(tensor)
         self._wait(self.mpi.Iallreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM), "all-reduce")
         if host is not tensor:

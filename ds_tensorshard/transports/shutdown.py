@@ -13,8 +13,9 @@ before the C++ static destructors. In this order:
    at most ``timeout_s`` plus the diagnosis' grace twice over (so that a rank still inside a collective reports
    first); past it the rank names the wait and the ranks that have not arrived, and ends (MPI: ``Abort``, so
    that mpiexec returns; torch: exit status 1) without the steps below, which would wait for them;
-2. garbage is collected and the torch.distributed process groups are destroyed: gloo's worker threads are
-   joined while they can still take the GIL. Left to the interpreter's finalization, a worker thread that
+2. the plugin's watchdog threads (collectives in stream order, NCCL) are stopped, garbage is collected and the
+   torch.distributed process groups are destroyed: gloo's worker threads are joined while they can still take
+   the GIL. Left to the interpreter's finalization, a worker thread that
    drops the last reference to a tensor with a Python object asks for the GIL, CPython ends the thread with
    ``pthread_exit`` and its unwinding through a ``noexcept`` frame aborts the process ("terminate called
    without an active exception", exit status 6; pytorch/pytorch#190489);
@@ -128,6 +129,9 @@ def close() -> None:
             all_arrived(timeout_s, where, mpi_world is not None, source)
         except PeerLost as err:
             fail(str(err), mpi_world is not None)
+    for comm in _registered:
+        if getattr(comm, "watchdog", None) is not None:
+            comm.watchdog.stop()
     if tdist.is_initialized():
         gc.collect()  # work objects in reference cycles go now, while gloo can finish with them
         tdist.destroy_process_group()
