@@ -32,7 +32,7 @@ import datetime
 import gc
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from ds_tensorshard.errors import PeerLost
 from ds_tensorshard.transports.deadline import GRACE_S, missing_ranks, wait_with_deadline
@@ -99,7 +99,7 @@ def _mpi_rank() -> int:
     return MPI.COMM_WORLD.Get_rank()
 
 
-def fail(message: str, mpi: bool) -> None:
+def fail(message: str, mpi: bool) -> NoReturn:
     """Print ``message`` and end this rank without waiting for anyone: under MPI the whole job (``Abort``, so that
     mpiexec returns), else this process with exit status 1."""
     sys.stderr.write(message + "\n")
