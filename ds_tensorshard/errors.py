@@ -46,3 +46,11 @@ class TensorAccessError(ValueError):
     a value of another shape than the tensor, an optimizer-state key the inner optimizer does not keep (or no
     state before its first step), a gradient outside the step's window; names the tensor and the key. A
     ValueError, as stock's own refusal there."""
+
+
+class ElasticStoreError(RuntimeError):
+    """A torchrun round's store could not be had; names what was waited for and torchrun's own remedy."""
+
+
+class PeerLost(RuntimeError):
+    """A rank waited past ``tensorshard.timeout_s`` for the others at start-up or at exit; names the wait."""
