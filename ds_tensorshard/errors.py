@@ -52,5 +52,10 @@ class ElasticStoreError(RuntimeError):
     """A torchrun round's store could not be had; names what was waited for and torchrun's own remedy."""
 
 
+class HostWorkError(RuntimeError):
+    """The host's part of ZeRO-Offload (adds of reduced gradients, early updates on the host worker) failed in
+    backward; raised at the step, the failure chained."""
+
+
 class PeerLost(RuntimeError):
     """A rank waited past ``tensorshard.timeout_s`` for the others at start-up or at exit; names the wait."""

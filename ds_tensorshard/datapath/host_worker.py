@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from ds_tensorshard.errors import HostWorkError
+
 
 class HostWorker:
     """Runs tasks in order on one daemon thread, each once its ``event`` (if any) is synchronized; the thread's
@@ -61,7 +63,7 @@ class HostWorker:
             self.tasks.join()
         if self.failure is not None:
             failure, self.failure = self.failure, None
-            raise RuntimeError("ds_tensorshard: the host's part of ZeRO-Offload failed in backward") from failure
+            raise HostWorkError("ds_tensorshard: the host's part of ZeRO-Offload failed in backward") from failure
 
     def stop(self) -> None:
         """End the thread once its tasks are done (shutdown)."""

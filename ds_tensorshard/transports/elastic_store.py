@@ -93,7 +93,7 @@ def _round_handler(original: Any) -> Any:
         else:
             store = join_round_store(agent, host, rank, world_size, timeout)
         yield store, rank, world_size
-        raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+        raise ElasticStoreError("Unable to perform re-rendezvous using env:// method")  # as torch's own handler
 
     setattr(env_rendezvous, _MARK, original)
     return env_rendezvous

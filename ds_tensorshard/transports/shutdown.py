@@ -34,7 +34,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from ds_tensorshard.errors import PeerLost
+from ds_tensorshard.errors import CollectiveTimeout, PeerLost
 from ds_tensorshard.transports.deadline import GRACE_S, missing_ranks, wait_with_deadline
 
 _registered: list[Any] = []  # the transports opened in this process
@@ -76,11 +76,11 @@ def all_arrived(timeout_s: float | None, where: str, mpi: bool, source: str = "t
             from mpi4py import MPI
 
             if not wait_with_deadline(MPI.COMM_WORLD.Ibarrier().Test, timeout_s or float("inf")):
-                raise TimeoutError(f"{timeout_s:g} s passed")
+                raise CollectiveTimeout(f"{timeout_s:g} s passed")
         what = "a torch.distributed barrier of the default group"
         if torch_up:
             _torch_barrier(timeout_s)
-    except (RuntimeError, TimeoutError) as err:
+    except RuntimeError as err:  # CollectiveTimeout, or a lost peer's gloo error
         rank = tdist.get_rank() if torch_up else _mpi_rank()
         missing = missing_ranks(rank, list(range(tdist.get_world_size())), where) if torch_up else ""
         raise PeerLost(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ds_tensorshard.datapath.host_worker import HostWorker
+from ds_tensorshard.errors import HostWorkError
 
 
 class Event:
@@ -42,7 +43,7 @@ def test_a_failed_task_is_raised_at_settle_and_the_rest_is_dropped():
     worker.submit(lambda: ran.append(1))
     worker.submit(lambda: 1 / 0)
     worker.submit(lambda: ran.append(3))
-    with pytest.raises(RuntimeError, match="host's part of ZeRO-Offload failed") as err:
+    with pytest.raises(HostWorkError, match="host's part of ZeRO-Offload failed") as err:
         worker.settle()
     assert isinstance(err.value.__cause__, ZeroDivisionError) and ran == [1]
     worker.submit(lambda: ran.append(4))  # the next step's work runs again
