@@ -205,7 +205,9 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(self.shard, self.params)
+        self.offload = StateOffload(
+            self.shard, self.params, lambda: [b for domain in self.domains.values() for b in domain.reducer.buckets]
+        )
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)

@@ -74,9 +74,7 @@ class OwnedShard:
         self.grads = OwnedGradients(
             self.blocks, self.group_of, counted, accum_dtype, device, host, matrices & self.masters.keys()
         )
-        for param, master in self.masters.items():
-            if param not in self.on_device:  # a Muon matrix's is lent at its update
-                master.grad = self.grads.view(param, step=True)
+        self.attach_grads()  # a Muon matrix's (on_device) is lent at its update
         self._own_views: dict[torch.nn.Parameter, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
         self._adam = AdamLists(optimizer) if AdamLists.applies(optimizer) else None  # FusedAdam, lists made once
 
@@ -184,6 +182,7 @@ class OwnedShard:
         the tensor it was a view of, and so the memory the move was to free."""
         for param in self.views:
             self._replace_master(param, self._own(param).view(self.masters[param].shape))
+        self.attach_grads()
 
     def separate_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The master of an owned ``param``, first made a tensor of its own where it is an fp32 model's own
@@ -199,7 +198,8 @@ class OwnedShard:
         """``new`` becomes ``param``'s master everywhere the old one was: here, its param group, the optimizer's
         state; it takes over the gradient."""
         master = self.masters[param]
-        new.grad = master.grad
+        if master.grad is not None and master.grad.device == new.device:
+            new.grad = master.grad
         group = self.optimizer.param_groups[self.group_of[param]]["params"]
         group[next(i for i, m in enumerate(group) if m is master)] = new
         if master in self.optimizer.state:
@@ -237,9 +237,22 @@ class OwnedShard:
     def move_grads(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The gradient buffers to where ``moved`` puts them (``offload_states``), the masters' views with them."""
         self.grads.move(moved)
+        self.attach_grads()
+
+    def forget_views(self) -> None:
+        """Drop the views and lists made once of the model's tensors, masters and state (they moved: kept, the
+        views would keep the memory the move was to free)."""
+        self._own_views.clear()
+        if self._adam is not None:
+            self._adam.forget()
+
+    def attach_grads(self) -> None:
+        """Each master's ``.grad`` is its view of the step gradients where both are on one device; while
+        ``offload_states`` keeps them apart (one moved, not the other), none: reloaded, the views come back."""
         for param, master in self.masters.items():
             if param not in self.on_device:
-                master.grad = self.grads.view(param, step=True)
+                grad = self.grads.view(param, step=True)
+                master.grad = grad if grad.device == master.device else None
 
     def drop_grads(self) -> None:
         """The step's gradients are used (or skipped): accumulate the next step's from zero."""
