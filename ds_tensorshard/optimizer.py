@@ -25,6 +25,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
+from ds_tensorshard.coalesce import CoalesceMethods
 from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
@@ -75,7 +76,7 @@ class Phase(enum.Enum):
     BROADCASTING = "broadcasting"  # step() ran with its broadcasts deferred; finish_broadcast() completes them
 
 
-class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
+class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
     """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
 
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
@@ -210,7 +211,10 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.intake = GradientIntake(
             self.params,
             self.names,
-            lambda: not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline),
+            lambda: (
+                not self._coalesce_grad_reduction
+                and (not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline))
+            ),
             self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
         )
         self.bucket_numel = bucket_numel(config, engine._config._param_dict)

@@ -71,8 +71,15 @@ TWO_RANK = {
 # clipping, bf16 without the overflow check; before the autocast scenarios (see above): they run after them
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 EARLY = {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflow": False}}
+# engine.coalesce_grad_reduction(): COALESCED backwards in one block, one step() after it (gradient_accumulation_steps
+# 1, the boundary set on the block's last backward, as DeepSpeed's own tests do)
+COALESCED = 3
+SCENARIOS["coalesce_stage2"] = ("fp32", 2, 1, 4, {}, {})
 TWO_RANK = {
     **{k: v for k, v in TWO_RANK.items() if not k.startswith("autocast")},
+    "coalesce_fp32_stage1": ("fp32", 1, 1, 4, {}, {}),
+    "coalesce_bf16_stage2": ("bf16", 2, 1, 4, {}, {}),
+    "coalesce_offload_stage2": ("fp32", 2, 1, 4, {}, OFFLOAD),
     "offload_early_bf16_stage2": ("bf16", 2, 2, 5, EARLY, OFFLOAD),
     **{k: v for k, v in TWO_RANK.items() if k.startswith("autocast")},
 }
@@ -109,6 +116,17 @@ def run_case(case: str, out_dir: str) -> None:
     losses, norms, scales = [], [], []
     micro = 0
     for step in range(steps):
+        if scenario.startswith("coalesce"):  # the block's backwards reduce nothing; its exit reduces their sum once
+            with engine.coalesce_grad_reduction():
+                for g in range(COALESCED):
+                    loss = engine(batch(rank, micro).to(engine.device))
+                    engine.set_gradient_accumulation_boundary(g == COALESCED - 1)
+                    engine.backward(loss)
+                    losses.append(loss.item())
+                    micro += 1
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm() or 0.0))
+            continue
         if scenario == "no_sync_stage1":  # two backwards without reduction, then one with it
             with engine.no_sync():
                 for _ in range(2):
