@@ -1,10 +1,12 @@
 """ds_tensorshard: tensor-granular ZeRO-1/2 for DeepSpeed. ``import ds_tensorshard`` registers it."""
 
 import deepspeed as _deepspeed
+import torch as _torch
 
-from ds_tensorshard.versions import check_deepspeed_version
+from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
 
 check_deepspeed_version(_deepspeed.__version__)
+check_torch_version(_torch.__version__)
 
 from ds_tensorshard.config import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
@@ -19,6 +21,7 @@ from ds_tensorshard.errors import (  # noqa: E402
     TensorShardConfigError,
     TensorShardUsageError,
     UnsupportedDeepSpeedVersion,
+    UnsupportedTorchVersion,
 )
 from ds_tensorshard.many import initialize_many, step_many  # noqa: E402
 from ds_tensorshard.optimizer import TensorShardOptimizer  # noqa: E402
@@ -37,6 +40,7 @@ __all__ = [
     "TensorAccessError",
     "TensorShardUsageError",
     "UnsupportedDeepSpeedVersion",
+    "UnsupportedTorchVersion",
     "TensorShardOptimizer",
     "OwnershipPlan",
     "plan_ownership",

@@ -20,6 +20,10 @@ class UnsupportedDeepSpeedVersion(ImportError):
     """The installed DeepSpeed is outside the tested range."""
 
 
+class UnsupportedTorchVersion(ImportError):
+    """The installed torch is outside the tested range."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective of the data path did not complete within ``tensorshard.timeout_s``."""
 

@@ -106,7 +106,7 @@ class FullTensor:
         what = "fp32 master" if optim_state_key is None else f"optimizer state {optim_state_key!r}"
         where = lambda: f"step {optimizer._step_of()}, safe_get_full of the {what} of '{name}'"  # noqa: E731
         comm = optimizer.domain_of[param].comm  # the group that owns its blocks
-        wait_or_fail(lambda: comm.all_reduce_sum(flat), comm, where)
+        wait_or_fail(lambda: comm.all_reduce_sum(flat, where), comm, where)
         if flat[NO_STATE] > 0:
             raise _no_state(optimizer, name, optim_state_key)
         if flat[NO_KEY] > 0:
@@ -154,7 +154,7 @@ class FullTensor:
                 flat[block.start : block.stop] = grad.reshape(-1)
         where = lambda: f"step {optimizer._step_of()}, safe_get_full_grad of '{name}'"  # noqa: E731
         comm = optimizer.domain_of[param].comm  # the group that owns its blocks
-        wait_or_fail(lambda: comm.all_reduce_sum(flat), comm, where)
+        wait_or_fail(lambda: comm.all_reduce_sum(flat, where), comm, where)
         return flat.view(param.shape)
 
     @torch.no_grad()

@@ -182,7 +182,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             )
         self.domains: dict[str, Domain] = {}
         for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank
-            comm = open_transport(config.comm_backend, process_group_of(name, self.dp_process_group), config.timeout_s)
+            group = process_group_of(name, self.dp_process_group)
+            comm = open_transport(config.comm_backend, group, config.timeout_s, engine.device)
             in_domain = {p for g, d in zip(self.bit16_groups, self.group_domains) if d == name for p in g}
             params = [p for p in self.params if p in in_domain]
             names = {p: self.names[p] for p in params}

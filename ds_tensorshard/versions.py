@@ -1,16 +1,19 @@
-"""The DeepSpeed releases this plugin is tested with, checked at import."""
+"""The DeepSpeed and torch releases this plugin is tested with, checked at import."""
 
 from __future__ import annotations
 
 import os
 import warnings
 
-from ds_tensorshard.errors import UnsupportedDeepSpeedVersion
+from ds_tensorshard.errors import UnsupportedDeepSpeedVersion, UnsupportedTorchVersion
 
 # [low, high): the oldest and newest release of each series 0.16-0.19 tested (tests/multiprocess/test_versions.py,
 # docs/versions.md); the engine differences between them are handled where they arise
 SUPPORTED_DEEPSPEED = ((0, 16, 0), (0, 20, 0))
 UNTESTED_ENV = "DS_TENSORSHARD_UNTESTED_DEEPSPEED"  # =1: warn instead of refusing (to try another release)
+# torch: 2.13 (the default suite's) to 2.15 (launch/torch_newest.sh), docs/versions.md
+SUPPORTED_TORCH = ((2, 13, 0), (2, 16, 0))
+UNTESTED_TORCH_ENV = "DS_TENSORSHARD_UNTESTED_TORCH"
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -25,22 +28,31 @@ def installed_release() -> tuple[int, ...]:
     return release(deepspeed.__version__)
 
 
-def check_deepspeed_version(version: str) -> None:
-    """Raise with the installed and supported versions unless ``version`` is in the tested range
-    (``DS_TENSORSHARD_UNTESTED_DEEPSPEED=1`` turns the refusal into a warning)."""
-    parts = release(version)
-    low, high = SUPPORTED_DEEPSPEED
-    if low <= parts < high:
+def _check(package: str, version: str, supported: tuple[tuple[int, ...], ...], env: str, error: type) -> None:
+    """Raise ``error`` naming the installed and supported versions unless ``version`` is in ``supported``
+    ([low, high)); ``env``=1 turns the refusal into a warning."""
+    low, high = supported
+    if low <= release(version) < high:
         return
     spec = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high[:2]))}"
     message = (
-        f"ds_tensorshard supports deepspeed {spec} but deepspeed {version} is installed; install a "
-        f"supported release (pip install 'deepspeed{spec}')"
+        f"ds_tensorshard supports {package} {spec} but {package} {version} is installed; install a "
+        f"supported release (pip install '{package}{spec}')"
     )
-    if os.environ.get(UNTESTED_ENV) == "1":
-        warnings.warn(f"{message}; going on because {UNTESTED_ENV}=1", stacklevel=2)
+    if os.environ.get(env) == "1":
+        warnings.warn(f"{message}; going on because {env}=1", stacklevel=3)
         return
-    raise UnsupportedDeepSpeedVersion(f"{message} (or set {UNTESTED_ENV}=1 to try it anyway)")
+    raise error(f"{message} (or set {env}=1 to try it anyway)")
+
+
+def check_deepspeed_version(version: str) -> None:
+    """The installed DeepSpeed is in the tested range (``DS_TENSORSHARD_UNTESTED_DEEPSPEED=1``: a warning)."""
+    _check("deepspeed", version, SUPPORTED_DEEPSPEED, UNTESTED_ENV, UnsupportedDeepSpeedVersion)
+
+
+def check_torch_version(version: str) -> None:
+    """The installed torch is in the tested range (``DS_TENSORSHARD_UNTESTED_TORCH=1``: a warning)."""
+    _check("torch", version, SUPPORTED_TORCH, UNTESTED_TORCH_ENV, UnsupportedTorchVersion)
 
 
 def fp16_refusal(stage: int, version: tuple[int, ...]) -> str | None:

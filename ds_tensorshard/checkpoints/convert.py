@@ -226,7 +226,7 @@ def to_zero(
         masters, state, paddings = [], {}, []
         slices: list[OrderedDict] = []  # param_slice_mappings: per group, name -> its slice of this partition
         for g, (names, total, part) in enumerate(group_layouts):
-            flats = {k: torch.zeros(part) for k in ("master", *keys[g])}
+            flats = {k: torch.zeros(part, device="cpu") for k in ("master", *keys[g])}
             lo, hi, offset = rank * part, (rank + 1) * part, 0
             slices.append(OrderedDict())
             for name in names:

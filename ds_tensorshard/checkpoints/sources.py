@@ -221,7 +221,7 @@ class TensorShardSource(CheckpointSource):
         """The whole tensor's state, assembled from its blocks where the saving plan split it."""
         shape = self.shapes[name]
         numel = math.prod(shape)
-        master, covered = torch.empty(numel, dtype=torch.float32), 0
+        master, covered = torch.empty(numel, dtype=torch.float32, device="cpu"), 0
         state: dict[str, Any] = {}
         for rank in self.where[name]:
             entry = dict(self._read(self.paths[rank]).tensors[name])
@@ -230,7 +230,8 @@ class TensorShardSource(CheckpointSource):
             master[start:stop].copy_(entry.pop("master").reshape(-1))
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.numel() == stop - start and (start, stop) != (0, numel):
-                    state.setdefault(key, torch.empty(numel, dtype=value.dtype))[start:stop].copy_(value.reshape(-1))
+                    part = state.setdefault(key, torch.empty(numel, dtype=value.dtype, device="cpu"))
+                    part[start:stop].copy_(value.reshape(-1))
                 elif key not in state:
                     state[key] = value.clone() if torch.is_tensor(value) else value
         if covered != numel:
@@ -292,7 +293,7 @@ class ZeroSource(CheckpointSource):
             self.group_names.append(names)
 
     def _flat_range(self, g: int, start: int, numel: int, ranks: list[int], pick) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32, device="cpu")
         rank_start = 0
         for rank in ranks:
             size = self.sizes[rank][g]

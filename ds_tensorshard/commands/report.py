@@ -55,17 +55,23 @@ def versions() -> dict[str, Any]:
     import torch
 
     from ds_tensorshard import __version__
-    from ds_tensorshard.errors import UnsupportedDeepSpeedVersion
-    from ds_tensorshard.versions import check_deepspeed_version
+    from ds_tensorshard.errors import UnsupportedDeepSpeedVersion, UnsupportedTorchVersion
+    from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
 
     try:
         check_deepspeed_version(deepspeed.__version__)
         supported = None
     except UnsupportedDeepSpeedVersion as err:
         supported = str(err)
+    try:
+        check_torch_version(torch.__version__)
+        torch_supported = None
+    except UnsupportedTorchVersion as err:
+        torch_supported = str(err)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "torch_unsupported": torch_supported,
         "torch_cuda": torch.version.cuda,
         "deepspeed": deepspeed.__version__,
         "deepspeed_unsupported": supported,

@@ -46,6 +46,7 @@ class Broadcast:
                 pending = self.comm.start_all_gather(flat, bucket.slot)
             else:
                 pending = self.comm.start_broadcast_segments(flat, bucket.spans)
+            pending.describe_as(functools.partial(self.describe, index, bucket, "broadcast"))
             self.in_flight.append((index, bucket, flat, pending))
 
     @torch.no_grad()

@@ -52,7 +52,7 @@ def sum_over_ranks(
     over the tensor-parallel shards. One extra element carries the ranks' steps: a rank at another step
     raises :class:`~ds_tensorshard.errors.StepMismatch` on every rank."""
     stats = torch.cat([squares.float(), torch.tensor([float(step % STEP_CHECK_MODULUS)], device=squares.device)])
-    wait_or_fail(lambda: comm.all_reduce_sum(stats), comm, describe)
+    wait_or_fail(lambda: comm.all_reduce_sum(stats, describe), comm, describe)
     partials, steps = stats[:-1].clone(), float(stats[-1])
     if steps != comm.world_size * (step % STEP_CHECK_MODULUS):
         raise StepMismatch(
@@ -76,7 +76,7 @@ def expert_norm_averaging(
     def average(group_norms: torch.Tensor) -> None:
         for index, comm in experts:
             scaled = group_norms[index : index + 1] / comm.world_size
-            wait_or_fail(functools.partial(comm.all_reduce_sum, scaled), comm, describe)
+            wait_or_fail(functools.partial(comm.all_reduce_sum, scaled, describe), comm, describe)
             group_norms[index] = scaled[0]
 
     return average

@@ -5,17 +5,30 @@ The states are DeepSpeed's ``OffloadStateTypeEnum``: ``hp_params`` (the owned fp
 ``lp_params`` (the model's tensors, with the masters that are views of them: an fp32 model's), ``lp_grads``
 (owned gradients reduced and not yet stepped: stage 2 between micro-steps) and ``optim_states`` (the inner
 optimizer's state, owned tensors only). ``contiguous_grad_buffer`` has no counterpart here (there is no
-flat gradient buffer) and is accepted as already off the device.
+flat gradient buffer) and is accepted as already off the device. As stock, host copies are allocated pinned
+(``pin_memory``), and after offloading the device is synchronized (unless ``non_blocking``) and the caching
+allocator's freed blocks are given back (``empty_cache``), so that another user of the GPU gets them.
+
+With ZeRO-Offload the masters and the optimizer state live in host memory already, where the host optimizer
+steps them: DeepSpeed's engine leaves them out of ``engine.offload_states()`` from 0.19.0, as here. Asked to
+offload them all the same (the optimizer's own method; an engine before 0.19.0, whose ``reload_states()`` would
+then move them to the accelerator, where DeepSpeedCPUAdam cannot step them), it is refused, naming the states
+that can be (``lp_params``, ``lp_grads``).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Container, Sequence
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
 from ds_tensorshard.datapath.update import OwnedShard
+from ds_tensorshard.errors import TensorShardUsageError
+
+HOST_RESIDENT = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)  # with ZeRO-Offload
 
 
 class StateOffload:
@@ -29,17 +42,32 @@ class StateOffload:
         self, include: Container[OffloadStateTypeEnum] | None, device: str, pin_memory: bool, non_blocking: bool
     ) -> None:
         """Move the states in ``include`` (all when None) that are still on the device to ``device`` (into
-        page-locked host memory with ``pin_memory``, as stock)."""
-        for state in OffloadStateTypeEnum:
-            if state not in self.offloaded and (include is None or state in include):
-                self._move(state, lambda t: _moved(t, torch.device(device), pin_memory, non_blocking))
-                self.offloaded.add(state)
+        page-locked host memory with ``pin_memory``, as stock), then free the device memory they held."""
+        chosen = [s for s in OffloadStateTypeEnum if s not in self.offloaded and (include is None or s in include)]
+        resident = [s.name for s in chosen if s in HOST_RESIDENT and self.shard.host is not None]
+        if resident:
+            raise TensorShardUsageError(
+                f"engine.offload_states() of {resident} with ZeRO-Offload (zero_optimization.offload_optimizer): "
+                "they live in host memory already, where the host optimizer steps them, and reload_states() "
+                "would move them to the accelerator, where it cannot. Offload what is on the accelerator: "
+                "engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads])"
+            )
+        for state in chosen:
+            self._move(state, lambda t: _moved(t, torch.device(device), pin_memory, non_blocking))
+            self.offloaded.add(state)
+        accelerator = get_accelerator()
+        if not non_blocking:
+            accelerator.synchronize()
+        gc.collect()
+        accelerator.empty_cache()
 
     def reload(self, device: torch.device, non_blocking: bool) -> None:
         """Move every offloaded state back to ``device``."""
         for state in list(self.offloaded):
             self._move(state, lambda t: t.to(device, non_blocking=non_blocking))
         self.offloaded.clear()
+        if non_blocking:  # the host copies are released once the copies out of them are done
+            get_accelerator().synchronize()
 
     @torch.no_grad()
     def _move(self, state: OffloadStateTypeEnum, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:

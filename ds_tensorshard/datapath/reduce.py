@@ -102,7 +102,7 @@ def start_reduce(
         # back in the gradients' own dtype, where stock rounds a wider communication dtype's sums
         return segment.to(bucket.dtype) if segment.dtype != bucket.dtype else segment.clone()
 
-    return Pending(finish, flat)
+    return Pending(finish, flat, blocks_host=pending.blocks_host, parts=[pending])
 
 
 class OverlappedReducer:
@@ -191,7 +191,8 @@ class OverlappedReducer:
         index = self.started
         bucket = self.buckets[index]
         self.started += 1
-        self.in_flight.append((index, bucket, start_reduce(bucket, self.comm, self.averaging, self.gradient_of)))
+        pending = start_reduce(bucket, self.comm, self.averaging, self.gradient_of)
+        self.in_flight.append((index, bucket, pending.describe_as(lambda: self.describe(index, bucket, "reduce"))))
         for param in self.releases[index]:
             self.release(param)
         while len(self.in_flight) > IN_FLIGHT:
@@ -219,12 +220,9 @@ class OverlappedReducer:
         seen = {id(p) for p in observed}
         order = observed + [p for p in self.params if id(p) not in seen]  # never-ready ones last
         position = {id(p): i for i, p in enumerate(self.params)}
-        agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64)
-        wait_or_fail(
-            self.comm.start_broadcast(agreed, 0).wait,
-            self.comm,
-            lambda: f"step {self.step_of()}, agreeing on the order backward produces gradients in",
-        )
+        agreed = torch.tensor([position[id(p)] for p in order], dtype=torch.int64, device=self.comm.device)
+        where = lambda: f"step {self.step_of()}, agreeing on the order backward produces gradients in"  # noqa: E731
+        wait_or_fail(self.comm.start_broadcast(agreed, 0).describe_as(where).wait, self.comm, where)
         self.observed = None
         self._use(self.rebuild([self.params[i] for i in agreed.tolist()]))
 

@@ -156,10 +156,16 @@ class OwnedShard:
 
     @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply every step gradient by ``factor``, one multi-tensor operation per device: a factor computed on
+        the accelerator is copied once to the host for the gradients kept there (ZeRO-Offload), since a
+        device scalar cannot enter a host kernel."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for param in self.masters:
             grad = self.step_gradient(param)
             if grad is not None:
-                grad.mul_(factor)
+                by_device.setdefault(grad.device, []).append(grad)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, torch.Tensor) else factor)
 
     @torch.no_grad()
     def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:
@@ -230,10 +236,11 @@ class OwnedShard:
         return self.muon.pre_orthogonalized(master, group, grad.clone() if keep_grad else grad)
 
     def relink_views(self) -> None:
-        """After the model's tensors moved (offload, reload): the masters that are views follow them."""
+        """After the model's tensors moved (offload, reload): the masters that are views follow them. Each is
+        a new view (in the inner optimizer's group and state too): one relinked in place (``.data``) would keep
+        the tensor it was a view of, and so the memory the move was to free."""
         for param in self.views:
-            master = self.masters[param]
-            master.data = self._own(param).view(master.shape)
+            self._replace_master(param, self._own(param).view(self.masters[param].shape))
 
     def separate_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The master of an owned ``param``, first made a tensor of its own where it is an fp32 model's own
@@ -241,15 +248,20 @@ class OwnedShard:
         master = self.masters[param]
         if master.data_ptr() != self._own(param).data_ptr():
             return master
-        copy = master.clone(memory_format=torch.contiguous_format)
-        copy.grad = master.grad
-        group = self.optimizer.param_groups[self.group_of[param]]["params"]
-        group[next(i for i, m in enumerate(group) if m is master)] = copy
-        if master in self.optimizer.state:
-            self.optimizer.state[copy] = self.optimizer.state.pop(master)
-        self.masters[param] = copy
+        self._replace_master(param, master.clone(memory_format=torch.contiguous_format))
         self.views.discard(param)  # no longer the model's storage: offloads leave it alone
-        return copy
+        return self.masters[param]
+
+    def _replace_master(self, param: torch.nn.Parameter, new: torch.Tensor) -> None:
+        """``new`` becomes ``param``'s master everywhere the old one was: here, its param group, the optimizer's
+        state; it takes over the gradient."""
+        master = self.masters[param]
+        new.grad = master.grad
+        group = self.optimizer.param_groups[self.group_of[param]]["params"]
+        group[next(i for i, m in enumerate(group) if m is master)] = new
+        if master in self.optimizer.state:
+            self.optimizer.state[new] = self.optimizer.state.pop(master)
+        self.masters[param] = new
 
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
         block = self.blocks[param]

@@ -47,8 +47,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
     group = dist.new_group(list(range(dist.get_world_size())))
     transports: dict[str, Transport] = {
-        "torch": TorchComm(group, args.timeout_s),
-        "mpi": MpiComm(group, args.timeout_s),
+        "torch": TorchComm(group, args.timeout_s, torch.device("cpu")),
+        "mpi": MpiComm(group, args.timeout_s, torch.device("cpu")),
     }
     n = dist.get_world_size()
     for numel in args.numel:

@@ -14,7 +14,7 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -32,6 +32,7 @@ class InstantComm:
     def __init__(self, world_size: int) -> None:
         self.rank, self.world_size = 0, world_size
         self.global_ranks, self.timeout_s, self.name = list(range(world_size)), float("inf"), "instant"
+        self.device = torch.device("cpu")
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         return Pending(lambda: None)
@@ -51,7 +52,7 @@ class InstantComm:
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
         return Pending(lambda: None)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         return None
 
     def fail(self, message: str) -> NoReturn:

@@ -5,11 +5,17 @@ that timed out writes where it waits into torch.distributed's key-value store, w
 the others, and reads theirs back: ranks that wrote nothing have not arrived (stopped, stuck, or
 dead), ranks that wrote another place are on another step or bucket. The error names the step,
 the bucket and its first tensor, the transport, and those ranks.
+
+The host waits with the deadline on host transports (gloo on CPU, MPI); on an accelerator, where
+collectives complete in stream order, :mod:`~ds_tensorshard.transports.watchdog` keeps it without
+blocking the training thread. Either way the backend's own timeout errors are recognized
+(:func:`is_timeout`) and diagnosed the same.
 """
 
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +27,35 @@ if TYPE_CHECKING:
 
 STORE_PREFIX = "ds_tensorshard/timeout/"
 GRACE_S = 3.0  # how long a timed-out rank waits for the others' reports
+
+# The timeout errors of each library, as torch.distributed raises them (PyTorch 2.13):
+TIMEOUT_MESSAGES = re.compile(
+    "|".join(
+        (
+            # NCCL, ProcessGroupNCCL.cpp WorkNCCL::checkTimeout (the watchdog's, and a timed or blocking wait's):
+            # "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, ...,
+            # Timeout(ms)=600000) ran for 600013 milliseconds before timing out."
+            r"Watchdog caught collective operation timeout",
+            r"ran for \d+ milliseconds before timing out",
+            # NCCL, NCCLUtils C10D_CHECK_TIMEOUT (non-blocking communicator calls): "NCCL timeout in: FILE:LINE"
+            r"NCCL timeout in:",
+            # gloo and MPI, torch's Work::wait(timeout) (Work.cpp; ProcessGroupGloo and ProcessGroupMPI works):
+            # "Operation timed out!"
+            r"Operation timed out!",
+            # gloo, transport/tcp/unbound_buffer.cc UnboundBuffer::waitRecv/waitSend (the process group's own
+            # timeout): "[.../unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
+            # and what the other operations of that pair then raise: "Application timeout caused pair closure"
+            r"Timed out waiting \d+ms for (recv|send) operation to complete",
+            r"Application timeout caused pair closure",
+        )
+    )
+)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's timeout as NCCL, gloo or torch's MPI backend reports it (the
+    mpi4py transport keeps its own deadline and raises :class:`CollectiveTimeout` itself)."""
+    return isinstance(error, CollectiveTimeout) or bool(TIMEOUT_MESSAGES.search(str(error)))
 
 
 def _store() -> Any:
@@ -63,14 +98,18 @@ def wait_with_deadline(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+def diagnosis(comm: Transport, place: str, what: str) -> str:
+    """The message for a collective (``what``, at ``place``) that missed its deadline, naming the missing ranks."""
+    return (
+        f"ds_tensorshard: {place}: {what} did not complete within tensorshard.timeout_s={comm.timeout_s:g} s on "
+        f"the {comm.name} transport; {missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
+    )
+
+
 def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], str]) -> Any:
-    """``wait()``; past the deadline, the diagnosis and the transport's ``fail`` (raise or abort)."""
+    """``wait()``; past the deadline (or at the backend's own timeout), the diagnosis and the transport's
+    ``fail`` (raise or abort)."""
     try:
         return wait()
     except CollectiveTimeout as err:
-        place = where()
-        comm.fail(
-            f"ds_tensorshard: {place}: {err} did not complete within tensorshard.timeout_s="
-            f"{comm.timeout_s:g} s on the {comm.name} transport; "
-            f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
-        )
+        comm.fail(diagnosis(comm, where(), str(err)))

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from ds_tensorshard.errors import CollectiveTimeout, TensorShardConfigError
@@ -54,8 +55,25 @@ def check_mpi_world() -> None:
         )
 
 
+def check_thread_level(device: torch.device) -> None:
+    """On an accelerator, autograd runs the gradient hooks (which start reductions) on its device threads while
+    the training thread calls MPI too: MPI must allow calls from several threads, one at a time
+    (``MPI_THREAD_SERIALIZED`` or ``MPI_THREAD_MULTIPLE``; mpi4py asks for MULTIPLE unless told otherwise)."""
+    MPI = _mpi()
+    provided = MPI.Query_thread()
+    if device.type != "cpu" and provided < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED"}
+        raise TensorShardConfigError(
+            f"'tensorshard.comm_backend' 'mpi' on {device.type} needs MPI_THREAD_SERIALIZED or better (gradient "
+            f"hooks call MPI from autograd's device threads), but MPI was initialized with "
+            f"{names.get(provided, provided)}: leave mpi4py's default (mpi4py.rc.thread_level = 'multiple') or "
+            "use comm_backend 'torch'"
+        )
+
+
 def _sum16(dtype: torch.dtype):
-    """An MPI op summing raw 16-bit words of ``dtype`` in fp32."""
+    """An MPI op summing raw 16-bit words of ``dtype`` in fp32 (on host buffers: :meth:`MpiComm._host` stages
+    every 16-bit sum through host memory, whatever the MPI's CUDA support)."""
     if dtype not in _sum16_ops:
 
         def add(inbuf, inoutbuf, datatype) -> None:
@@ -76,9 +94,11 @@ def _cuda_aware() -> bool:
 class MpiComm:
     """mpi4py collectives over the MPI communicator whose ranks are the data-parallel group's."""
 
-    def __init__(self, group, timeout_s: float) -> None:
+    def __init__(self, group, timeout_s: float, device: torch.device) -> None:
         MPI = _mpi()
+        self.device = torch.device(device)
         check_mpi_world()
+        check_thread_level(self.device)
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
@@ -112,26 +132,38 @@ class MpiComm:
                 tensor,
                 {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int64: MPI.INT64_T}[tensor.dtype],
             )
-        buf = data if data.is_cuda else data.numpy()
+        buf = data if data.device.type != "cpu" else data.numpy()
         return [buf, mpi_type]
 
-    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What MPI may read now: a CPU tensor itself; a CUDA tensor once its producing stream is done
-        (directly for a CUDA-aware MPI, else copied into pinned host memory)."""
+    def _direct(self, tensor: torch.Tensor, summed: bool = False) -> bool:
+        """Whether MPI takes ``tensor``'s memory as it is: a CPU tensor, or a device tensor where mpi4py reports a
+        CUDA-aware MPI; not for a 16-bit sum (``summed``), a Python function (:func:`_sum16`) over host buffers."""
+        return tensor.device.type == "cpu" or (self.cuda_aware and not (summed and tensor.dtype in _HALF))
+
+    def _receive_buffer(self, like: torch.Tensor, numel: int, summed: bool = False) -> torch.Tensor:
+        """Where MPI writes a result for ``like``: beside it where MPI takes its memory, else pinned host memory.
+        Made before :meth:`_host` synchronizes the stream, so that no kernel still uses memory MPI writes into."""
+        if self._direct(like, summed):
+            return like.new_empty(numel)
+        return torch.empty(numel, dtype=like.dtype, device="cpu", pin_memory=True)
+
+    def _host(self, tensor: torch.Tensor, summed: bool = False) -> torch.Tensor:
+        """What MPI may read now: a tensor it takes directly (:meth:`_direct`) once the stream that produces it
+        is done, else a copy in pinned host memory."""
         global _warned_staging
-        if not tensor.is_cuda:
+        if tensor.device.type == "cpu":
             return tensor
-        stream = torch.cuda.current_stream(tensor.device)
-        if self.cuda_aware:
+        stream = get_accelerator().current_stream()
+        if self._direct(tensor, summed):
             stream.synchronize()
             return tensor
-        if not _warned_staging:
+        if not _warned_staging and not self.cuda_aware:
             logger.warning(
                 "ds_tensorshard: mpi4py reports an MPI without CUDA support; "
                 "staging CUDA tensors through pinned host memory"
             )
             _warned_staging = True
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         stream.synchronize()
         return host
@@ -139,7 +171,7 @@ class MpiComm:
     # -- the transport interface ------------------------------------------------------------------
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         MPI = _mpi()
-        host = self._host(tensor)
+        host = self._host(tensor, summed=True)
         op = _sum16(host.dtype) if host.dtype in _HALF else MPI.SUM
         if self.rank == owner:
             request = self.mpi.Ireduce(MPI.IN_PLACE, self._spec(host), op=op, root=owner)
@@ -167,16 +199,16 @@ class MpiComm:
 
     def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         MPI = _mpi()
-        host = self._host(flat)
         counts, offsets = self._counts(spans)
-        mine = host.new_empty(counts[self.rank])
+        mine = self._receive_buffer(flat, counts[self.rank], summed=True)
+        host = self._host(flat, summed=True)
         op = _sum16(host.dtype) if host.dtype in _HALF else MPI.SUM
         request = self.mpi.Ireduce_scatter(self._spec(host), self._spec(mine), recvcounts=counts, op=op)
         segment = flat[offsets[self.rank] : offsets[self.rank] + counts[self.rank]]
 
         def finish() -> None:
             self._wait(request, f"reduce-scatter to ranks {[owner for owner, _, _ in spans]}")
-            segment.copy_(mine, non_blocking=segment.is_cuda)
+            segment.copy_(mine, non_blocking=segment.device.type != "cpu")
 
         return Pending(finish, host, mine)
 
@@ -187,21 +219,23 @@ class MpiComm:
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         MPI = _mpi()
-        host = self._host(flat)
-        mine = host.new_empty(slot)
+        mine = self._receive_buffer(flat, slot, summed=True)
+        host = self._host(flat, summed=True)
         op = _sum16(host.dtype) if host.dtype in _HALF else MPI.SUM
         request = self.mpi.Ireduce_scatter_block(self._spec(host), self._spec(mine), op=op)
         segment = flat[self.rank * slot : (self.rank + 1) * slot]
 
         def finish() -> None:
             self._wait(request, f"reduce-scatter of {self.world_size} slots")
-            segment.copy_(mine, non_blocking=segment.is_cuda)
+            segment.copy_(mine, non_blocking=segment.device.type != "cpu")
 
         return Pending(finish, host, mine)
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
+        mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()  # queued before _host's stream sync
         host = self._host(flat)
-        mine = host[self.rank * slot : (self.rank + 1) * slot].clone()
+        if host is not flat:  # staged: this rank's slot from the host copy
+            mine = host[self.rank * slot : (self.rank + 1) * slot].clone()
         request = self.mpi.Iallgather(self._spec(mine), self._spec(host))
         return Pending(self._completion(request, f"all-gather of {self.world_size} slots", host, flat, True), mine)
 
@@ -217,8 +251,8 @@ class MpiComm:
 
         return finish
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        host = self._host(tensor)
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
+        host = self._host(tensor, summed=True)
         self._wait(self.mpi.Iallreduce(_mpi().IN_PLACE, self._spec(host), op=_mpi().SUM), "all-reduce")
         if host is not tensor:
             tensor.copy_(host)

@@ -22,10 +22,27 @@ import torch
 
 
 class Pending:
-    """A collective in flight; :meth:`wait` completes it (once) and returns its result."""
+    """A collective in flight; :meth:`wait` completes it (once) and returns its result.
 
-    def __init__(self, finish: Callable[[], Any], *keep_alive: Any) -> None:
+    Completion is in stream order: afterwards the work queued on the current stream sees the result. Where the
+    collective runs on an accelerator (NCCL), that orders streams and the host goes on (``blocks_host`` False);
+    a host transport (gloo on CPU, MPI) completes it by waiting on the host. ``where`` (set by the data path)
+    names what the collective is for, for a deadline that passes while nobody waits on it.
+    """
+
+    def __init__(
+        self, finish: Callable[[], Any], *keep_alive: Any, blocks_host: bool = True, parts: Sequence[Pending] = ()
+    ) -> None:
         self._finish, self._keep_alive, self._done, self._result = finish, keep_alive, False, None
+        self.blocks_host, self.parts = blocks_host, tuple(parts)
+        self.where: Callable[[], str] | None = None
+
+    def describe_as(self, where: Callable[[], str]) -> Pending:
+        """Name what this collective (and each collective it completes) is for; returns itself."""
+        self.where = where
+        for part in self.parts:
+            part.describe_as(where)
+        return self
 
     def wait(self) -> Any:
         if not self._done:
@@ -39,13 +56,13 @@ ascending owner order and back to back from offset 0, a rank owning nothing ther
 
 
 def all_of(pending: Sequence[Pending], *keep_alive: Any) -> Pending:
-    """One :class:`Pending` completing several."""
+    """One :class:`Pending` completing several (blocking the host if any of them does)."""
 
     def finish() -> None:
         for p in pending:
             p.wait()
 
-    return Pending(finish, *keep_alive)
+    return Pending(finish, *keep_alive, blocks_host=any(p.blocks_host for p in pending), parts=pending)
 
 
 class Transport(Protocol):
@@ -57,6 +74,8 @@ class Transport(Protocol):
     global_ranks: list[int]
     timeout_s: float
     name: str
+    device: torch.device
+    """Where the tensors of its collectives live: the engine's device (NCCL takes nothing else)."""
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""
@@ -77,8 +96,9 @@ class Transport(Protocol):
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
         """Start copying each rank's slot of its ``flat`` into that slot of every rank's ``flat``."""
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over ranks, in place, on every rank."""
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
+        """Sum ``tensor`` over ranks, in place, on every rank (complete in stream order); ``where`` names what
+        for (see :attr:`Pending.where`)."""
 
     def fail(self, message: str) -> NoReturn:
         """A collective missed its deadline: end this rank with ``message``."""

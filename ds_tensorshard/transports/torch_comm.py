@@ -1,46 +1,53 @@
-"""The torch transport: deepspeed.comm collectives (gloo on CPU, NCCL on GPU) over the data-parallel group.
+"""The torch transport: torch.distributed collectives (gloo on CPU, NCCL on GPU) over the data-parallel group.
 
-A window's reduces (or broadcasts) are one collective per owner present; a stripe moves with one
-``reduce_scatter_tensor`` and one ``all_gather_into_tensor``. gloo cannot group them (it reports
-no coalescing support; its ``reduce_scatter`` is one all-reduce per rank, its ``all_gather`` takes equal
-sizes only); NCCL could, in one coalescing-manager group, but that path waits for a run on GPUs.
+A window's reduces (or broadcasts) are one collective per owner present (deepspeed.comm); a stripe moves with one
+reduce-scatter and one all-gather (torch's ``reduce_scatter_single`` / ``all_gather_single``, the
+``*_tensor`` names before torch 2.13). gloo cannot group them (it reports no coalescing support; its
+``reduce_scatter`` is one all-reduce per rank, its ``all_gather`` takes equal sizes only).
+
+On an accelerator a collective completes in stream order (``work.wait()``: the current stream waits for it,
+the host goes on) and :class:`~ds_tensorshard.transports.watchdog.Watchdog` keeps its deadline; on the CPU
+(gloo) the host waits, with the deadline as its timeout.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed
+import torch.distributed as tdist
 from deepspeed import comm as dist
 
 from ds_tensorshard.errors import CollectiveTimeout
+from ds_tensorshard.transports.deadline import is_timeout
 from ds_tensorshard.transports.protocol import Pending, Span, all_of
+from ds_tensorshard.transports.watchdog import Watchdog
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); looked up at each call
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(tdist, "reduce_scatter_single") else "reduce_scatter_tensor"
+ALL_GATHER = "all_gather_single" if hasattr(tdist, "all_gather_single") else "all_gather_into_tensor"
 
 
 class TorchComm:
-    """deepspeed.comm collectives over the data-parallel group."""
+    """torch.distributed collectives over the data-parallel group, on tensors on ``device``."""
 
-    def __init__(self, group: Any, timeout_s: float) -> None:
-        self.group = group
+    def __init__(self, group: Any, timeout_s: float, device: torch.device) -> None:
+        self.group, self.device = group, torch.device(device)
         self.rank = dist.get_rank(group=group)
         self.world_size = dist.get_world_size(group=group)
         self.global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.timeout_s = timeout_s
-        self.name = f"torch ({torch.distributed.get_backend(group)})"
+        self.name = f"torch ({tdist.get_backend(group)})"
+        self.watchdog = None if self.device.type == "cpu" else Watchdog(self)
 
     def _pending(self, work: Any, what: str, *keep_alive: Any) -> Pending:
-        def finish() -> None:
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as err:
-                if "timed out" not in str(err).lower():
-                    raise
-                raise CollectiveTimeout(what) from None
-
-        return Pending(finish, *keep_alive)
+        if self.watchdog is None:
+            return Pending(lambda: _completed(work, what, datetime.timedelta(seconds=self.timeout_s)), *keep_alive)
+        pending = Pending(lambda: _completed(work, what), *keep_alive, blocks_host=False)
+        self.watchdog.watch(work, pending, what)
+        return pending
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         work = dist.reduce(tensor, dst=self.global_ranks[owner], group=self.group, async_op=True)
@@ -60,25 +67,40 @@ class TorchComm:
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         mine = flat[self.rank * slot : (self.rank + 1) * slot]
         out = torch.empty_like(mine)
-        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+        work = getattr(tdist, REDUCE_SCATTER)(out, flat, group=self.group, async_op=True)
         reduced = self._pending(work, f"reduce-scatter of {self.world_size} slots", flat, out)
 
         def finish() -> None:
             reduced.wait()
             mine.copy_(out)
 
-        return Pending(finish, flat, out)
+        return Pending(finish, flat, out, blocks_host=reduced.blocks_host, parts=[reduced])
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
         mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()
-        work = dist.all_gather_into_tensor(flat, mine, group=self.group, async_op=True)
+        work = getattr(tdist, ALL_GATHER)(flat, mine, group=self.group, async_op=True)
         return self._pending(work, f"all-gather of {self.world_size} slots", flat, mine)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        self._pending(dist.all_reduce(tensor, group=self.group, async_op=True), "all-reduce", tensor).wait()
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
+        pending = self._pending(dist.all_reduce(tensor, group=self.group, async_op=True), "all-reduce", tensor)
+        (pending if where is None else pending.describe_as(where)).wait()
 
     def fail(self, message: str) -> NoReturn:
         raise CollectiveTimeout(message)
+
+
+def _completed(work: Any, what: str, timeout: datetime.timedelta | None = None) -> None:
+    """``work`` complete: with ``timeout`` the host waits (at most that long), without it the current stream
+    does. The backend's timeout errors become :class:`CollectiveTimeout` (``what``), to be diagnosed."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timeout)
+    except RuntimeError as err:
+        if not is_timeout(err):
+            raise
+        raise CollectiveTimeout(what) from None
 
 
 def close_process_group() -> None:
@@ -86,8 +108,6 @@ def close_process_group() -> None:
     still referenced at interpreter exit can abort the process ("terminate called without an active
     exception"), so collect them, wait for every rank, then destroy the process group."""
     import gc
-
-    import torch.distributed as tdist
 
     gc.collect()
     if tdist.is_initialized():

@@ -18,6 +18,7 @@ import torch
 import ds_tensorshard  # noqa: F401
 from tests.helpers import ROOT, WORKERS
 from tests.helpers.compare import ACROSS_WORLDS
+from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_cli, run_in_group, run_ranks, run_until_one_dies
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.checkpoint_worker import command
@@ -415,3 +416,18 @@ def moe_ep2_runs(tmp_path_factory):
 @pytest.mark.parametrize("resumed,reference", [("4to2", "ref4"), ("stock4to2", "stock4")])
 def test_moe_expert_parallel_2_resumes_at_another_data_parallel_size(moe_ep2_runs, resumed, reference):
     assert_continues(moe_ep2_runs[resumed], moe_ep2_runs[reference], FP32, first_step=3)
+
+
+def assert_same_run(ours: dict, reference: dict, where: str) -> None:
+    assert ours["losses"] == reference["losses"], where
+    assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), where
+
+
+@pytest.mark.cuda_emulated
+def test_saved_and_resumed_at_another_world_size_on_emulated_cuda(runs, tmp_path):
+    """On an emulated CUDA device under NCCL's rules (tests/helpers/emulated_cuda.py): saved at 2 ranks (state_dict
+    of device tensors), resumed at 3; each the CPU run's, bit for bit."""
+    (saved,) = train(2, (tmp_path / "e2.pt", "fp32", "ts", 2, "--save", tmp_path / "e2", "--save-at", 3), env=EMULATED)
+    (resumed,) = train(3, (tmp_path / "e23.pt", "fp32", "ts", 2, "--load", tmp_path / "e2"), env=EMULATED)
+    assert_same_run(saved, runs["ref2"], "saved at 2 ranks")
+    assert_same_run(resumed, runs["2to3"], "resumed at 3 ranks")

@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches, within_ulps
+from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
 from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS, STRIPE_CASES
 
@@ -167,3 +168,27 @@ def test_offload_matrix_matches_stock_offload(tmp_path, n):
     mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *mpi_cases], n)
     load = lambda case, rank: torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt")  # noqa: E731
     assert_offload_matches_stock_offload(load, n, cases + mpi_cases)
+
+
+# The emulated-CUDA tier (tests/helpers/emulated_cuda.py): the data path on an emulated CUDA device over a process
+# group that holds NCCL's rules, each case bit for bit its CPU run (the same kernels on the same data)
+EMULATED_CASES = ["fp32:ts:2", "bf16:ts:1", *STRIPE_CASES, *(c for c in OFFLOAD_CASES if ":ts" in c)]
+
+
+@pytest.mark.cuda_emulated
+def test_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, equivalence_runs):
+    """Stages 1 and 2, fp32 and bf16, GAS 2, clipping 1.0, windows and stripes, ZeRO-Offload with pinned host
+    masters: every tensor of the data path on the rank's device (offloaded masters and state in pinned host
+    memory), every collective on device tensors, and the losses, norms and parameters of the CPU run."""
+    run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *EMULATED_CASES], 2, env=EMULATED)
+    cpu = equivalence_runs(2)
+    for case in EMULATED_CASES:
+        offloaded = "-offload" in case
+        for rank in range(2):
+            ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), cpu(case, rank)
+            assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
+            assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), case
+            where = ["cpu"] if offloaded else [f"cuda:{rank}"]
+            assert ours["master_devices"] == ours["state_devices"] == where, case
+            assert ours["masters_pinned"] == offloaded, case
+            assert ours["host_traffic"] == reference["host_traffic"], case

@@ -19,6 +19,7 @@ import torch
 
 from tests.helpers import WORKERS
 from tests.helpers.compare import assert_full_tensors_match, assert_run_matches
+from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
 from tests.workers.full_tensor_worker import SPLIT, setter_values
 
@@ -105,3 +106,24 @@ def test_refusals_on_every_rank(runs):
                 assert message.startswith(kind) and text in message, f"{ours_case} rank {rank} {what}: {message}"
                 if kind == "TensorAccessError":
                     assert f"'{SPLIT}'" in message, message
+
+
+EMULATED_CASES = ["fp32:ts:1", "bf16:ts:2"]
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("runs", [2], indirect=True)
+def test_on_emulated_cuda_every_getter_and_setter_as_on_the_cpu(runs, tmp_path):
+    """safe_get_full_* / safe_set_full_* on an emulated CUDA device under NCCL's rules (tests/helpers/
+    emulated_cuda.py): every value read, every refusal and the training the setters changed are the CPU run's."""
+    n, load = runs
+    run_ranks([os.path.join(WORKERS, "full_tensor_worker.py"), str(tmp_path), *EMULATED_CASES], n, env=EMULATED)
+    for case in EMULATED_CASES:
+        for rank in range(n):
+            ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), load(case, rank)
+            assert ours.keys() == reference.keys(), case
+            for key in ("losses", "refusals", "set_read_back", "model_unchanged_by_set", "split", "frozen_is_none"):
+                assert ours[key] == reference[key], (case, key)
+            for key in ("params", "seen"):
+                assert ours[key].keys() == reference[key].keys(), (case, key)
+                assert all(torch.equal(ours[key][k].cpu(), v) for k, v in reference[key].items()), (case, key)

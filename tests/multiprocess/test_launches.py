@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from ds_tensorshard.transports.torch_comm import ALL_GATHER, REDUCE_SCATTER
 from tests.helpers import WORKERS
 from tests.helpers.ranks import run_ranks
 from tests.multiprocess.test_mpi import mpiexec, results
@@ -38,7 +39,7 @@ def test_torch_transport_on_gloo_launches_one_collective_per_owner():
 
 STRIPE_COLLECTIVES = {  # reduce-scatter, all-gather, the norm's all-reduce: by transport
     "mpi": ("Ireduce_scatter_block", "Iallgather", "Iallreduce"),
-    "torch": ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"),
+    "torch": (REDUCE_SCATTER, ALL_GATHER, "all_reduce"),  # torch's current names
 }
 
 

@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers import WORKERS
 from tests.helpers.compare import TOLERANCE, assert_run_matches, within_ulps
+from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
 
 WORKER = os.path.join(WORKERS, "moe_worker.py")
@@ -110,11 +111,38 @@ def assert_matches_stock(load, world: int, case: str) -> None:
             assert all(torch.equal(v, third[n]) for n, v in first.items()), case
 
 
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    """``runs(world)``: the DEFAULT cases and their references at ``world`` ranks, launched once per module."""
+    loaded = {}
+
+    def runs(world: int):
+        if world not in loaded:
+            loaded[world] = run(tmp_path_factory.mktemp(f"moe{world}"), world, DEFAULT[world])
+        return loaded[world]
+
+    return runs
+
+
 @pytest.mark.parametrize("world", sorted(DEFAULT))
-def test_moe_trains_as_stock(tmp_path, world):
-    load = run(tmp_path, world, DEFAULT[world])
+def test_moe_trains_as_stock(default_runs, world):
+    load = default_runs(world)
     for case in DEFAULT[world]:
         assert_matches_stock(load, world, case)
+
+
+@pytest.mark.cuda_emulated
+def test_moe_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, default_runs):
+    """The expert domains on an emulated CUDA device under NCCL's rules (tests/helpers/emulated_cuda.py): the
+    CPU run's losses, norms, parameters and fp32 masters, bit for bit."""
+    run_ranks([WORKER, str(tmp_path), *DEFAULT[2]], 2, env=EMULATED)
+    cpu = default_runs(2)
+    for case in DEFAULT[2]:
+        for rank in range(2):
+            ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), cpu(case, rank)
+            assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
+            for key in ("params", "masters"):
+                assert all(torch.equal(ours[key][n], v) for n, v in reference[key].items()), (case, key)
 
 
 @pytest.mark.extended

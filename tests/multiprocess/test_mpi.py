@@ -186,3 +186,34 @@ def test_full_tensor_accessors_on_the_mpi_transport(tmp_path):
         assert_run_matches(ours, stock, "fp32", f"mpi rank {rank}")
         assert ours["set_read_back"] == stock["set_read_back"] and all(ours["set_read_back"].values())
         assert all(message.startswith(("TensorAccessError", "AssertionError")) for message in ours["refusals"].values())
+
+
+EMULATED_MPI = ["fp32:tsmpi-stripes:2", "bf16:tsmpi:1"]
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("mpi_world", [2], indirect=True)
+def test_mpi_transport_on_emulated_cuda(mpi_world, tmp_path):
+    """The mpi transport on an emulated CUDA device (tests/helpers/emulated_cuda.py) with an MPI taken to be
+    CUDA-aware: device buffers go to MPI only once the stream that writes them is synchronized (a slot cloned
+    for the all-gather included), 16-bit sums through pinned host memory (their sum is a Python function over
+    host buffers); two ranks on two devices. The CPU run's training, bit for bit."""
+    n, load = mpi_world
+    devices = [
+        "-genv",
+        "EMULATED_CUDA",
+        "1",
+        "-genv",
+        "EMULATED_CUDA_AWARE_MPI",
+        "1",
+        "-genv",
+        "EMULATED_CUDA_DEVICES",
+        "2",
+    ]
+    mpiexec([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *EMULATED_MPI], n, devices)
+    for case in EMULATED_MPI:
+        for rank in range(n):
+            ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), load(case, rank)
+            assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
+            assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), case
+            assert ours["master_devices"] == [f"cuda:{rank}"], case

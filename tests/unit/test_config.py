@@ -1,6 +1,7 @@
 """Configuration: bad configs fail at deepspeed.initialize, naming the key, before the model is touched."""
 
 import logging
+import re
 
 import deepspeed
 import pytest
@@ -10,8 +11,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_full_grad
 
 import ds_tensorshard
-from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion
-from ds_tensorshard.versions import check_deepspeed_version, fp16_refusal
+from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion, UnsupportedTorchVersion
+from ds_tensorshard.versions import check_deepspeed_version, check_torch_version, fp16_refusal
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -199,6 +200,24 @@ def test_fp16_is_refused_where_stock_gives_nothing_to_match(version, stage, refu
         assert ("(or stage 1)" in str(err.value)) == (stage == 2 and fp16_refusal(1, version) is None)
     else:
         assert ds_tensorshard.config.validate_engine_config(config).enabled
+
+
+@pytest.mark.parametrize("version", ["2.4.1", "2.12.1+cu126", "2.16.0", "2.16.0.dev20261201"])
+def test_unsupported_torch_versions_are_named(version, monkeypatch):
+    monkeypatch.delenv("DS_TENSORSHARD_UNTESTED_TORCH", raising=False)
+    with pytest.raises(
+        UnsupportedTorchVersion, match=rf"supports torch >=2\.13\.0,<2\.16 but torch {re.escape(version)} is"
+    ):
+        check_torch_version(version)
+    monkeypatch.setenv("DS_TENSORSHARD_UNTESTED_TORCH", "1")
+    with pytest.warns(UserWarning, match=rf"torch {re.escape(version)} is installed.*DS_TENSORSHARD_UNTESTED_TORCH=1"):
+        check_torch_version(version)
+
+
+def test_supported_torch_versions_pass():
+    for version in ("2.13.0+cpu", "2.14.1", "2.15.0+cu128"):
+        check_torch_version(version)
+    check_torch_version(torch.__version__)
 
 
 def test_supported_version_passes():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
+from ds_tensorshard.errors import TensorShardUsageError
 from tests.helpers.one_rank import make_engine
 from tests.workers.equivalence_worker import SEQ, VOCAB
 
@@ -57,3 +58,25 @@ def test_offloaded_states_move_and_training_continues_bit_for_bit(dtype):
     assert steps(plain, 2, seed=2) == steps(moved, 2, seed=2)
     for p, q in zip(plain.module.parameters(), moved.module.parameters()):
         assert torch.equal(p, q)
+
+
+def test_with_zero_offload_the_host_states_stay_and_the_device_ones_move():
+    """ZeRO-Offload keeps masters and optimizer state in host memory, where the host optimizer steps them:
+    engine.offload_states() moves the model's tensors and gradients only (DeepSpeed's engine leaves the host
+    states out, from 0.19.0); asked for them directly, the optimizer refuses before anything moves (an engine
+    that passed them on would have reload_states() move them to the accelerator, where the host optimizer
+    cannot step them). Training then goes on as without."""
+    plain, moved = make_engine("fp32", mode="ts-offload"), make_engine("fp32", mode="ts-offload")
+    assert steps(plain, 1, seed=1) == steps(moved, 1, seed=1)
+    with pytest.raises(TensorShardUsageError, match=r"\['optim_states', 'hp_params'\] with ZeRO-Offload.*lp_params"):
+        moved.optimizer.offload_states()
+    with pytest.raises(TensorShardUsageError, match=r"\['optim_states'\]"):
+        moved.optimizer.offload_states(include=[OffloadStateTypeEnum.optim_states])
+    assert moved.optimizer.offload.offloaded == set()
+    moved.offload_states()
+    assert moved.optimizer.offload.offloaded == set(OffloadStateTypeEnum) - {
+        OffloadStateTypeEnum.hp_params,
+        OffloadStateTypeEnum.optim_states,
+    }
+    moved.reload_states()
+    assert steps(plain, 2, seed=2) == steps(moved, 2, seed=2)

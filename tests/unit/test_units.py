@@ -24,7 +24,7 @@ class PeerComm:
     """Rank ``rank`` of two; the other rank's contribution to every reduce is ``peer_factor`` times ours, and
     what the other rank broadcasts is ``broadcast_value`` everywhere."""
 
-    world_size, global_ranks, timeout_s, name = 2, [0, 1], 1.0, "peer"
+    world_size, global_ranks, timeout_s, name, device = 2, [0, 1], 1.0, "peer", torch.device("cpu")
 
     def __init__(self, rank: int = 0, peer_factor: float = 3.0, broadcast_value: float = -1.0) -> None:
         self.rank, self.peer_factor, self.broadcast_value = rank, peer_factor, broadcast_value
@@ -48,7 +48,7 @@ class PeerComm:
     def start_broadcast_segments(self, flat: torch.Tensor, spans) -> Pending:
         return all_of([self.start_broadcast(flat[offset : offset + numel], owner) for owner, offset, numel in spans])
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, where=None) -> None:
         tensor.mul_(1.0 + self.peer_factor)
 
     def fail(self, message: str):
@@ -157,7 +157,7 @@ def test_gather_writes_the_other_owners_pieces_and_sends_its_own():
 def test_torch_transport_at_one_rank_and_its_deadline():
     from ds_tensorshard.transports.torch_comm import TorchComm
 
-    comm = TorchComm(None, timeout_s=5.0)
+    comm = TorchComm(None, timeout_s=5.0, device=torch.device("cpu"))
     t = torch.arange(4.0)
     comm.start_reduce(t, 0).wait()
     comm.start_broadcast(t, 0).wait()

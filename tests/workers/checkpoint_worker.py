@@ -33,6 +33,7 @@ import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.checkpoints.experts import global_names
 from ds_tensorshard.errors import CheckpointError
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.helpers.optimizers import setup
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> None:
     if args.universal:
         config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
-    model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
+    with model_device():
+        model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
     client = setup(args.optimizer, model, config) if args.optimizer else None
     groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
     groups = moe_param_groups(model) if args.moe else groups
@@ -138,13 +140,13 @@ def run(args: argparse.Namespace) -> None:
     losses = {}
     while engine.global_steps < args.steps:
         step = engine.global_steps
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for micro in range(gas):
             first = (micro * world + rank) * micro_batch
             tokens = torch.stack([sample(step, first + i) for i in range(micro_batch)])
             if args.moe:
                 torch.manual_seed(100_000 * step + first)  # the gate's random draws: this micro-batch's own
-            loss = engine(tokens)
+            loss = engine(tokens.to(engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    init_worker()
     get_accelerator().is_fp16_supported = lambda: True
     argv, runs = sys.argv[1:], []
     while "+" in argv:

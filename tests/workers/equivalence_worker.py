@@ -22,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.helpers.tiny_gpt import TinyGPT
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
@@ -87,7 +88,8 @@ def run_case(case: str, out_dir: str) -> None:
     dtype, mode, stage, *split = case.split(":")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.manual_seed(1234)
-    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    with model_device():
+        model = TinyGPT(vocab=VOCAB, seq=SEQ)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model), config=ds_config(dtype, mode, int(stage), world, *split)
     )
@@ -140,7 +142,7 @@ def run_case(case: str, out_dir: str) -> None:
                 "master_devices": sorted({str(m.device) for g in optimizer.param_groups for m in g["params"]}),
                 "host_traffic": None if optimizer.host is None else vars(optimizer.host.traffic).copy(),
                 "last_update_at": optimizer.last_update_at,
-                "masters_pinned": torch.cuda.is_available()
+                "masters_pinned": get_accelerator().device_name() != "cpu"
                 and all(m.is_pinned() for g in optimizer.param_groups for m in g["params"]),
             }
         )
@@ -149,10 +151,8 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
+    init_worker()  # EMULATED_CUDA=1: on an emulated CUDA device over NCCL's rules (tests/helpers/emulated_cuda.py)
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    # under mpiexec DeepSpeed discovers ranks through mpi4py and takes the port from here
-    backend = os.environ.get("DIST_BACKEND", "nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     close_process_group()

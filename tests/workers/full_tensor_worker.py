@@ -41,6 +41,7 @@ from deepspeed.utils import (
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.errors import TensorAccessError
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, batch, ds_config, param_groups
 
@@ -82,7 +83,8 @@ def run_case(case: str, out_dir: str) -> None:
     if dtype == "fp16":
         config["fp16"]["initial_scale_power"] = 8  # no overflow: every step's gradients are kept
     torch.manual_seed(1234)
-    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    with model_device():
+        model = TinyGPT(vocab=VOCAB, seq=SEQ)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     params = dict(engine.module.named_parameters())
     shapes = {n: p.shape for n, p in params.items()}
@@ -156,9 +158,9 @@ def run_case(case: str, out_dir: str) -> None:
             for target, value in setter_values(shapes).items():
                 kind, name = target.split(":")
                 if kind == "master":
-                    set_read_back[target] = torch.equal(safe_get_full_fp32_param(params[name]), value)
+                    set_read_back[target] = torch.equal(safe_get_full_fp32_param(params[name]).cpu(), value)
                 else:
-                    set_read_back[target] = torch.equal(safe_get_full_optimizer_state(params[name], kind), value)
+                    set_read_back[target] = torch.equal(safe_get_full_optimizer_state(params[name], kind).cpu(), value)
             # as stock: the model's tensors change at the next step only
             model_unchanged = all(torch.equal(p.detach().float(), model_before[n]) for n, p in trainable.items())
     result = {
@@ -177,8 +179,8 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
+    init_worker()
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     close_process_group()

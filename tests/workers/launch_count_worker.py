@@ -28,6 +28,7 @@ for name in (
     "reduce_scatter",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    *(name for name in ("all_gather_single", "reduce_scatter_single") if hasattr(tdist, name)),
 ):
     original = getattr(tdist, name)
 

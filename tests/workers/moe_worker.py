@@ -26,6 +26,7 @@ from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.workers.equivalence_worker import ds_config
 
 REDUCING_STOCK = "stock-reduce"
@@ -69,7 +70,8 @@ def run_case(case: str, out_dir: str) -> None:
     dtype, mode, stage, experts, ep_size, k = case.split(":")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.manual_seed(1234)
-    model = MoEModel(int(experts), int(ep_size), int(k))
+    with model_device():
+        model = MoEModel(int(experts), int(ep_size), int(k))
     config = ds_config(dtype, mode, int(stage), world)
     config["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=1e-2)  # one lr for every group
     if mode == REDUCING_STOCK:  # stock reducing each partition onto its owner, as ds_tensorshard does
@@ -78,7 +80,7 @@ def run_case(case: str, out_dir: str) -> None:
     losses, norms = [], []
     for micro in range(STEPS * GAS):
         torch.manual_seed(micro)  # the gate's random token selection draws the same numbers in every run
-        loss = engine(batch(rank, micro))
+        loss = engine(batch(rank, micro).to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -99,8 +101,8 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
+    init_worker()
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     close_process_group()

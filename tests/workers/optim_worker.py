@@ -20,6 +20,7 @@ from deepspeed.runtime.zero.muon import original_muon
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.helpers.optimizers import setup
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import GAS, SEQ, STEPS, VOCAB, base_mode, batch, ds_config, param_groups
@@ -70,7 +71,8 @@ def run_case(case: str, out: str) -> None:
         config["gradient_clipping"] = 0.0
         config["bf16"]["check_grad_overflow"] = False
     torch.manual_seed(1234)
-    model = TinyGPT(vocab=VOCAB, seq=SEQ)
+    with model_device():
+        model = TinyGPT(vocab=VOCAB, seq=SEQ)
     client = setup(setup_name, model, config)
     # stock ZeRO-1/2 rebuilds Adagrad over one flat group and then fails on a second one (IndexError in
     # get_flat_partition): Adagrad runs with one group; "adagrad2" keeps two, against stage 0
@@ -114,8 +116,7 @@ def run_case(case: str, out: str) -> None:
 
 def main() -> None:
     out, cases = sys.argv[1], sys.argv[2:]
-    backend = os.environ.get("DIST_BACKEND", "nccl" if os.environ.get("DS_ACCELERATOR") == "cuda" else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+    init_worker()
     for case in cases:
         run_case(case, out)
     close_process_group()

@@ -1,0 +1,49 @@
+"""The emulated-CUDA tier's checks that look inside a rank (tests/workers/emulated_worker.py), each against the
+same run on the CPU. The tier's other checks sit beside the CPU runs they compare with: -m cuda_emulated."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers import WORKERS
+from tests.helpers.emulated_accelerator import EMULATED
+from tests.helpers.ranks import run_ranks
+
+pytestmark = pytest.mark.cuda_emulated
+WORKER = os.path.join(WORKERS, "emulated_worker.py")
+
+
+def run(check: str, out, world: int = 2, emulated: bool = True) -> list[dict]:
+    run_ranks([WORKER, check, str(out)], world, env=EMULATED if emulated else None)
+    return [json.load(open(f"{out}.rank{rank}.json")) for rank in range(world)]
+
+
+def test_no_host_blocking_wait_inside_a_gradient_hook(tmp_path):
+    """A 32-bucket model, 3 steps: on the accelerator every wait on a reduction that backward's gradient hooks
+    make (the oldest completing when a third bucket starts) is in stream order, and nothing in a hook syncs the
+    host; on gloo, where the host is the stream, the same waits block it (what the probe would see)."""
+    ours, cpu = run("host-waits", tmp_path / "cuda"), run("host-waits", tmp_path / "cpu", emulated=False)
+    for rank in range(2):
+        assert ours[rank]["buckets"] >= 32 and ours[rank]["waits_in_hooks"] > 0, ours[rank]
+        assert ours[rank]["host_blocking_waits_in_hooks"] == 0 and ours[rank]["host_syncs_in_hooks"] == []
+        assert cpu[rank]["host_blocking_waits_in_hooks"] == cpu[rank]["waits_in_hooks"] == ours[rank]["waits_in_hooks"]
+        assert ours[rank]["losses"] == cpu[rank]["losses"]
+
+
+def test_offload_states_frees_the_device_memory_as_stock(tmp_path):
+    """engine.offload_states() after 2 steps (fp32, stage 2): the trained tensors, the masters (views of an fp32
+    model's tensors) and the optimizer state go to pinned host memory, the device's allocated memory falls to
+    the frozen tensor's 128 bytes and its reserved memory with it (the caching allocator's blocks given back);
+    reload_states() brings every tensor back and training goes on as on the CPU."""
+    ours, cpu = run("offload-states", tmp_path / "cuda"), run("offload-states", tmp_path / "cpu", emulated=False)
+    for rank in range(2):
+        (allocated, reserved), after = ours[rank]["before"], ours[rank]["after"]
+        assert allocated == reserved and allocated > 100_000, ours[rank]
+        assert after == [128, 128], ours[rank]  # only the frozen parameter (32 fp32), never trained, stays
+        offloaded = ours[rank]["offloaded"]
+        assert offloaded == {"params": ["cpu"], "masters": ["cpu"], "optimizer state": ["cpu"], "pinned": True}
+        assert ours[rank]["reloaded"] == [f"cuda:{rank}"]
+        assert ours[rank]["losses"] == cpu[rank]["losses"]
