@@ -291,20 +291,6 @@ UNFOLLOWED_KEYS: tuple[tuple[str, tuple[int, ...], Callable[[Mapping[str, Any], 
         "ZeRO-Offload, where ds_tensorshard keeps them in fp32 too); remove it",
     ),
     (
-        "bf16.bf16_master_weights_and_grads",
-        (0, 18, 3),
-        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_master_weights_and_grads"),
-        "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner, where stock ZeRO would keep them "
-        "in bf16; remove it (and bf16_optimizer_states) to train with fp32 masters, or disable 'tensorshard.enabled'",
-    ),
-    (
-        "bf16.bf16_optimizer_states",
-        (0, 18, 3),
-        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_optimizer_states"),
-        "ds_tensorshard keeps the inner optimizer's state in fp32, where stock ZeRO would keep it in bf16; remove "
-        "it, or disable 'tensorshard.enabled'",
-    ),
-    (
         "zero_optimization.zenflow",
         (0, 17, 5),
         lambda config, zero: zero.get("zenflow") is not None,

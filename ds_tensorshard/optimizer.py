@@ -47,6 +47,7 @@ from ds_tensorshard.datapath.norm import (
 from ds_tensorshard.datapath.offload import StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.datapath.precision import master_dtype
 from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
@@ -193,14 +194,16 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
     def _own_tensors(self, engine: DeepSpeedEngine, eager_state: bool) -> None:
-        """fp32 masters (and the inner optimizer's state) for this rank's blocks only."""
+        """Masters (fp32, or bf16 as :mod:`~ds_tensorshard.datapath.precision` says) and the inner optimizer's
+        state for this rank's blocks only."""
         owned = [
             [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
             for group, domain in zip(self.bit16_groups, (self.domains[d] for d in self.group_domains))
         ]
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host)
+        dtype = master_dtype(engine, self.optimizer)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         self.offload = StateOffload(self.shard, self.params)
 

@@ -26,6 +26,7 @@ from typing import Any
 from ds_tensorshard.bench.worker import (
     CONFIGS,
     LORA_RANK,
+    MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
     TWO_MODEL_CONFIGS,
@@ -44,6 +45,8 @@ LABELS = {
     "zero2_offload": "stock ZeRO-2 + offload",
     "ts_offload": "ds_tensorshard + offload (torch)",
     "ts_offload_mpi": "ds_tensorshard + offload (mpi)",
+    "zero2_bf16_masters": "stock ZeRO-2, bf16 masters and states",
+    "ts_bf16_masters": "ds_tensorshard, bf16 masters and states",
     "two_zero2": "2 models: stock ZeRO-2 each",
     "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
     "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many",
@@ -168,15 +171,16 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
-        "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB |",
-        "|---" * 11 + "|",
+        "opt. state fullest rank MiB | fullest / ideal | opt. state bytes/param | sent/rank/step MiB |",
+        "|---" * 12 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
             f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
-            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} |"
+            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {r['optimizer_state_bytes_total'] / r['numel']:.2f} | "
+            f"{mib(r['sent_bytes_per_rank'])} |"
         )
     if any(r["host_bytes_per_rank"] for r in results):
         lines += [
@@ -242,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + OFFLOAD_CONFIGS + TWO_MODEL_CONFIGS,
+        choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + TWO_MODEL_CONFIGS,
         help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}) or two-model "
         f"ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
@@ -261,6 +265,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"--optimizer {args.optimizer} runs the one-model DeepSpeed configurations only "
                 "(not ddp_zero or the two-model ones)"
             )
+    if set(MASTER_CONFIGS) & set(args.configs) and args.dtype != "bf16":
+        raise SystemExit(f"--configs {' '.join(MASTER_CONFIGS)}: bf16 master weights need --dtype bf16")
     if len({c in TWO_MODEL_CONFIGS for c in args.configs}) > 1:
         raise SystemExit(
             "--configs: one-model and two-model configurations are compared in separate runs "

@@ -35,8 +35,18 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi"
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 # ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch and mpi transports)
 OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
-SHARDED = ("ts_torch", "ts_mpi", "ts_offload", "ts_offload_mpi", "two_ts_separate", "two_ts_joint")  # ds_tensorshard's
+SHARDED = (
+    "ts_torch",
+    "ts_mpi",
+    "ts_offload",
+    "ts_offload_mpi",
+    "two_ts_separate",
+    "two_ts_joint",
+    "ts_bf16_masters",
+)  # ds_tensorshard's
 MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi")
+# bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
+MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
@@ -146,6 +156,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if name in MASTER_CONFIGS:
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     if name in OFFLOAD_CONFIGS:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
@@ -166,7 +178,7 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         if name in SHARDED:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
-        elif name in ("zero1", "zero2", "zero2_offload", "two_zero2"):
+        elif name in ("zero1", "zero2", "zero2_offload", "two_zero2", "zero2_bf16_masters"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
@@ -386,7 +398,7 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS + OFFLOAD_CONFIGS + TWO_MODEL_CONFIGS)
+    parser.add_argument("config", choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + TWO_MODEL_CONFIGS)
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)

@@ -1,8 +1,9 @@
-"""Update: fp32 master copies, reduced gradients and the inner optimizer, for owned tensors only.
+"""Update: master copies, reduced gradients and the inner optimizer, for owned tensors only.
 
 A rank owns whole tensors, and at most one block (whole dim-0 rows) of each tensor the plan split.
-Masters are contiguous fp32 tensors (CPU FusedAdam silently skips non-contiguous ones): an fp32
-model's own contiguous tensor (or its block, a view), else a copy. Each param group of the inner
+Masters are contiguous fp32 tensors (bf16 with ``bf16_master_weights_and_grads``; CPU FusedAdam silently
+skips non-contiguous ones): the model's own contiguous tensor (or its block, a view) where it has the
+masters' dtype, else a copy. Each param group of the inner
 optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this rank's masters as
 ``params``, so optimizer state is created for owned tensors alone.
 """
@@ -38,10 +39,12 @@ def _widened(chunk: torch.Tensor, buffers: dict[torch.device, torch.Tensor]) -> 
 
 
 class OwnedShard:
-    """The tensors (or blocks) a rank owns: fp32 masters, and reduced gradients accumulated in ``accum_dtype``.
+    """The tensors (or blocks) a rank owns: masters in ``master_dtype`` (fp32; bf16 with DeepSpeed's
+    ``bf16_master_weights_and_grads``, :mod:`~ds_tensorshard.datapath.precision`), and reduced gradients
+    accumulated in ``accum_dtype``.
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
-    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins. With ``host``
+    else the model dtype), as stock ZeRO-2 uses; gradients take the masters' dtype when the step begins. With ``host``
     (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
     piece is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
     for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``
@@ -55,8 +58,10 @@ class OwnedShard:
         accum_dtype: torch.dtype,
         device: torch.device,
         host: HostMemory | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.optimizer = optimizer
+        self.master_dtype = master_dtype  # bf16 with bf16_master_weights_and_grads (datapath/precision.py)
         self.device = device
         self.host = host
         self.accum_dtype = accum_dtype
@@ -74,12 +79,12 @@ class OwnedShard:
             for param, block in owned:
                 own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
                 if host is not None:
-                    master = host.fetch(own, torch.float32)
-                elif param.dtype == torch.float32:
-                    master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
+                    master = host.fetch(own, master_dtype)
+                elif param.dtype == master_dtype:
+                    master = own  # the model's own tensor (block) serves as the master: no second copy
                     self.views.add(param)
                 else:
-                    master = own.to(dtype=torch.float32, copy=True)
+                    master = own.to(dtype=master_dtype, copy=True)
                 self.blocks[param] = block
                 self.masters[param] = master
                 self.group_of[param] = g
@@ -124,10 +129,11 @@ class OwnedShard:
             zeros = torch.zeros(master.shape, dtype=torch.float32, device=self.device)
             self.device_grads[param] = zeros if total is None else total.to(torch.float32).view(master.shape)
         else:
-            master.grad = torch.zeros_like(master) if total is None else total.to(torch.float32).view(master.shape)
+            master.grad = torch.zeros_like(master) if total is None else total.to(master.dtype).view(master.shape)
 
     def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The step's fp32 gradient of an owned ``param`` (once the step began), where it is kept."""
+        """The step's gradient of an owned ``param`` (once the step began; in the masters' dtype), where it is
+        kept."""
         return self.device_grads.get(param) if param in self.on_device else self.masters[param].grad
 
     @torch.no_grad()
