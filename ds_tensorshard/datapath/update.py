@@ -74,6 +74,7 @@ class OwnedShard:
         self.on_device = device_matrices(optimizer) if host is not None else set()  # then this rank's only
         self.muon = DeviceMuon(optimizer, host, device) if host is not None and self.on_device else None
         self.device_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the step's fp32 gradients of on_device
+        self.wide_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 gradients of bf16 masters, until unscaled
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
@@ -129,12 +130,27 @@ class OwnedShard:
             zeros = torch.zeros(master.shape, dtype=torch.float32, device=self.device)
             self.device_grads[param] = zeros if total is None else total.to(torch.float32).view(master.shape)
         else:
-            master.grad = torch.zeros_like(master) if total is None else total.to(master.dtype).view(master.shape)
+            dtype = torch.promote_types(self.accum_dtype, master.dtype)  # the norm's: bf16 masters, fp32 accumulation
+            grad = torch.zeros(master.shape, dtype=dtype, device=master.device) if total is None else total.to(dtype)
+            if dtype == master.dtype:
+                master.grad = grad.view(master.shape)
+            else:  # kept apart until the unscale: a tensor's .grad must have its dtype
+                self.wide_grads[param] = grad.view(master.shape)
+
+    def _grads_in_master_dtype(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Before the unscale-and-clip and the update: gradients wider than their (bf16) masters take the masters'
+        dtype, as stock casts its flat gradient partition to its master partition's dtype after the norm."""
+        for param in params:
+            wide = self.wide_grads.pop(param, None)
+            if wide is not None:
+                self.masters[param].grad = wide.to(self.masters[param].dtype)
 
     def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The step's gradient of an owned ``param`` (once the step began; in the masters' dtype), where it is
-        kept."""
-        return self.device_grads.get(param) if param in self.on_device else self.masters[param].grad
+        """The step's gradient of an owned ``param`` (once the step began; in the masters' dtype, or fp32 until the
+        unscale for bf16 masters with fp32 accumulation), where it is kept."""
+        if param in self.on_device:
+            return self.device_grads.get(param)
+        return self.wide_grads.get(param, self.masters[param].grad)
 
     @torch.no_grad()
     def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
@@ -165,6 +181,7 @@ class OwnedShard:
         """Multiply every step gradient by ``factor``, one multi-tensor operation per device: a factor computed on
         the accelerator is copied once to the host for the gradients kept there (ZeRO-Offload), since a
         device scalar cannot enter a host kernel."""
+        self._grads_in_master_dtype(self.masters)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for param in self.masters:
             grad = self.step_gradient(param)
@@ -183,6 +200,7 @@ class OwnedShard:
                 self._gradient_to_master(param)
             self.update(todo, keep_grads=True)
             return
+        self._grads_in_master_dtype(todo)
         if not self.stepped and not self.on_device:
             self.optimizer.step()
         elif todo:
@@ -197,6 +215,7 @@ class OwnedShard:
         steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are. ``keep_grads``: an early
         update, before the norm: the gradients kept on the device are left as they are for it."""
         if params:
+            self._grads_in_master_dtype(params)
             self._step_only(params, keep_grads)
             self.stepped.update(params)
             self._write_back(params)
@@ -287,6 +306,7 @@ class OwnedShard:
     def drop_grads(self) -> None:
         self.accumulated.clear()
         self.device_grads.clear()
+        self.wide_grads.clear()
         self.stepped.clear()
         for master in self.masters.values():
             master.grad = None

@@ -1,6 +1,7 @@
 """bf16.bf16_master_weights_and_grads and bf16_optimizer_states (DeepSpeed 0.18.3) against stock ZeRO-1/2 with the same
 config (feature_worker.py's PRECISION scenarios: bf16 masters and optimizer states without offload; bf16 masters
-with ZeRO-Offload and fp32 or bf16 moments; clipping engaged in three of them). Measured: at 2 ranks losses and
+with ZeRO-Offload and fp32 or bf16 moments; with fp32 gradient accumulation, whose norm is taken before the cast to
+bf16; clipping engaged in five of them). Measured: at 2 ranks losses and
 parameters bit-identical; at 3 ranks within the bf16 tolerance of compare.py (losses 3.7e-4, parameters 4.4e-3: the
 sum over ranks rounds in another order, as for bf16 without the keys)."""
 

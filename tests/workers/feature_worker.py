@@ -74,6 +74,7 @@ EARLY = {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflo
 # bf16.bf16_master_weights_and_grads and bf16_optimizer_states (DeepSpeed 0.18.3): tests/multiprocess/test_precision.py
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
 STATES = {**MASTERS, "bf16_optimizer_states": True}
+ACCUM_FP32 = {"data_types": {"grad_accum_dtype": "fp32"}}
 CLIP = {"gradient_clipping": 0.3}  # below the norms: the clip factor applies, to bf16 gradients here
 PRECISION = {
     "bf16_masters_states_stage1": ("bf16", 1, 2, 5, {"bf16": STATES}, {}),
@@ -81,6 +82,8 @@ PRECISION = {
     "bf16_masters_offload_stage1": ("bf16", 1, 2, 5, {"bf16": MASTERS, **CLIP}, OFFLOAD),
     "bf16_masters_offload_stage2": ("bf16", 2, 2, 5, {"bf16": MASTERS}, OFFLOAD),
     "bf16_masters_states_offload_stage2": ("bf16", 2, 2, 5, {"bf16": STATES, **CLIP}, OFFLOAD),
+    "bf16_masters_accum_fp32_stage2": ("bf16", 2, 2, 5, {"bf16": STATES, **CLIP, **ACCUM_FP32}, {}),
+    "bf16_masters_accum_fp32_offload_stage1": ("bf16", 1, 2, 5, {"bf16": MASTERS, **CLIP, **ACCUM_FP32}, OFFLOAD),
 }
 # engine.coalesce_grad_reduction(): COALESCED backwards in one block, one step() after it (gradient_accumulation_steps
 # 1, the boundary set on the block's last backward, as DeepSpeed's own tests do)
