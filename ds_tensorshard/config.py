@@ -404,7 +404,8 @@ def _runs_as_stock(why: str) -> None:
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:
     """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
 
-    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style), pipeline
+    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style) or DeepSpeed's AutoTP
+    (``tensor_parallel.autotp_size``, whose engine sets its own ``mpu``), pipeline
     parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows), Ulysses sequence parallelism
     through an ``mpu``, and DeepSpeed MoE layers (expert parallelism) with data parallelism alone."""
     from deepspeed.pipe import PipelineModule
@@ -428,12 +429,6 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
             "parallelism) is not supported by ds_tensorshard; give deepspeed.initialize an mpu with sequence-parallel "
             "groups instead (Megatron-DeepSpeed style, tested with Ulysses DistributedAttention)"
         )
-    autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0)
-    if autotp and autotp > 1:
-        raise TensorShardConfigError(
-            f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "
-            "ds_tensorshard; pass a Megatron-style mpu to deepspeed.initialize instead"
-        )
     expert = next((name for name, p in model.named_parameters() if getattr(p, "allreduce", True) is False), None)
     if expert is not None:
         _check_moe_layout(expert, isinstance(model, PipelineModule), mpu, param_dict)
@@ -449,9 +444,11 @@ def _check_moe_layout(expert: str, pipeline: bool, mpu: Any, param_dict: Mapping
             f"{where} in a PipelineModule: MoE with pipeline parallelism is not supported by ds_tensorshard; "
             f"disable '{BLOCK}.enabled' for this model"
         )
-    if mpu is not None:
+    autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0) or 0
+    if mpu is not None or autotp > 1:
+        given = "an mpu" if mpu is not None else f"'tensor_parallel.autotp_size' {autotp}"
         raise TensorShardConfigError(
-            f"{where} with an mpu: MoE with tensor or sequence parallelism is not supported by ds_tensorshard "
+            f"{where} with {given}: MoE with tensor or sequence parallelism is not supported by ds_tensorshard "
             "(only data and expert parallelism); initialize without the mpu or disable "
             f"'{BLOCK}.enabled'"
         )
