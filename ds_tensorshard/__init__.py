@@ -1,9 +1,12 @@
 """ds_tensorshard: tensor-granular ZeRO-1/2 for DeepSpeed. ``import ds_tensorshard`` registers it."""
 
-import deepspeed as _deepspeed
 import torch as _torch
 
-from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
+from ds_tensorshard.quiet_import import import_deepspeed
+
+_deepspeed = import_deepspeed()
+
+from ds_tensorshard.versions import check_deepspeed_version, check_torch_version  # noqa: E402
 
 check_deepspeed_version(_deepspeed.__version__)
 check_torch_version(_torch.__version__)
@@ -12,10 +15,15 @@ from ds_tensorshard.config import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
 from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
 from ds_tensorshard.errors import (  # noqa: E402
+    CallRefusedAsStock,
     CheckpointError,
     CollectiveTimeout,
+    ElasticStoreError,
+    HostWorkError,
     ModelSourceError,
+    PeerLost,
     PlanError,
+    RefusedAsStock,
     StepMismatch,
     TensorAccessError,
     TensorShardConfigError,
@@ -33,7 +41,12 @@ __all__ = [
     "TensorShardConfig",
     "TensorShardConfigError",
     "CheckpointError",
+    "CallRefusedAsStock",
+    "RefusedAsStock",
     "CollectiveTimeout",
+    "ElasticStoreError",
+    "HostWorkError",
+    "PeerLost",
     "ModelSourceError",
     "PlanError",
     "StepMismatch",

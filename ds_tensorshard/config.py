@@ -19,7 +19,6 @@ from ds_tensorshard.errors import RefusedAsStock, TensorShardConfigError
 
 BLOCK = "tensorshard"
 ENV_SWITCH, ENV_CONFIG = "DS_TENSORSHARD", "DS_TENSORSHARD_CONFIG"  # turn the plugin on for configs built in code
-DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: small enough that two buckets in flight cost little memory
 
 
 class TensorShardConfig(BaseModel):
@@ -48,13 +47,20 @@ class TensorShardConfig(BaseModel):
 
     bucket_numel: int | None = Field(default=None, gt=0)
     """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
-    ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else 4,000,000."""
+    ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else the size chosen with the
+    layout (``"auto"``: see ``bucket_layout``; an explicit layout: 4,000,000, or the cost model's for stripes on
+    accelerators)."""
 
-    bucket_layout: Literal["windows", "stripes"] = "windows"
+    bucket_layout: Literal["auto", "windows", "stripes"] = "auto"
     """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner
     (as ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of
     every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one
-    reduce-scatter and one all-gather whatever the world size (the cost model's choice at scale)."""
+    reduce-scatter and one all-gather whatever the world size; ``"auto"``: on CPU ranks the layout measured
+    faster there, in 4,000,000-element buckets (windows on torch/gloo; on mpi windows below 4 ranks, stripes
+    from 4); on accelerators (NCCL and the like) stripes,
+    sized by the cost model: the most buckets predicted within 0.9x stock ZeRO-2's communication at its defaults,
+    each within its 5e8-element bucket; a bucket size the config sets is kept. Rank 0's start-up line says
+    what was chosen and why."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
@@ -379,16 +385,20 @@ def _check_autocast(autocast: Mapping[str, Any]) -> None:
 
 def elastic_store_warning(env: Mapping[str, str]) -> str | None:
     """The line to warn with where torchrun may restart these workers (``--max-restarts`` above 0) with the
-    rendezvous's shared TCPStore (torch's default): the restarted process group's keys are the same as the dead
-    one's, still in that store, so a rank can read a dead rank's gloo address and retry it until the process
-    group's timeout (``Gloo connectFullMesh failed ... Connection refused``). None where that cannot happen."""
+    rendezvous's shared TCPStore (torch's default) and their process group was made in it, before the plugin was
+    imported (``transports.elastic_store`` gives each round a store of its own otherwise): the restarted process
+    group's keys are the same as the dead one's, still in that store, so a rank can read a dead rank's gloo
+    address and retry it until the process group's timeout (``Gloo connectFullMesh failed ... Connection
+    refused``). None where torchrun does not restart with that store."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
         return None
     return (
         "ds_tensorshard: torchrun may restart these workers with the store of the previous round (the rendezvous's "
-        "shared TCPStore): a restarted process group can read a dead rank's address from it and fail after its "
-        "timeout ('Gloo connectFullMesh failed ... Connection refused'); start torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each round; docs/cluster.md, Elastic training)"
+        "shared TCPStore), and the process group was made before ds_tensorshard was imported: a restarted process "
+        "group can read a dead rank's address from it and fail after its timeout ('Gloo connectFullMesh failed ... "
+        "Connection refused'); import ds_tensorshard before the process group is made (or run the script with "
+        "python -m ds_tensorshard), or start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a new store each "
+        "round; docs/cluster.md, Elastic training)"
     )
 
 
@@ -470,17 +480,10 @@ def _check_moe_layout(expert: str, pipeline: bool, mpu: Any, param_dict: Mapping
         )
 
 
-def bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> int:
-    """Elements per bucket: the plugin key, else a reduce_bucket_size the config sets, else our default."""
-    if config.bucket_numel is not None:
-        return config.bucket_numel
-    size = (param_dict.get("zero_optimization", {}) or {}).get("reduce_bucket_size")
-    return int(size) if isinstance(size, (int, float)) and size > 0 else DEFAULT_BUCKET_NUMEL
-
-
 MAPPED_ZERO_KEYS = {
     "stage": "selects the mode: 1 = reduce at the accumulation boundary, 2 = reduce every micro-step",
-    "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set (default 4,000,000)",
+    "reduce_bucket_size": "bucket size (elements) unless tensorshard.bucket_numel is set (else chosen with "
+    "bucket_layout 'auto')",
     "reduce_scatter": "at stage 2, true divides gradients by the world size before the sum, as stock does",
     "offload_optimizer": "device cpu: each owner's fp32 masters and optimizer state in host memory (pinned with "
     "pin_memory where there is a GPU); the inner optimizer is stock's CPU one",

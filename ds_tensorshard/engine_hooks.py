@@ -1,8 +1,10 @@
 """Registration: small overrides on DeepSpeedEngine that route ZeRO-1/2 to TensorShardOptimizer.
 
 DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
-- ``__init__``: validate the config first, before any model move or optimizer state; after it, warn (rank 0)
-  where torchrun may restart the workers with the previous round's store (``config.elastic_store_warning``);
+- ``__init__``: validate the config first, before any model move or optimizer state, and wait for every rank
+  (``transports.shutdown.all_arrived``, within ``tensorshard.timeout_s``); after it, warn (rank 0) where torchrun
+  may restart the workers with the previous round's store because the process group was made before the plugin
+  was imported (``config.elastic_store_warning``; otherwise ``transports.elastic_store`` gives each round its own);
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
@@ -38,7 +40,8 @@ from ds_tensorshard.config import (
     validate_parallel_layout,
 )
 from ds_tensorshard.datapath.inner_optimizer import check_supported
-from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.errors import CallRefusedAsStock, PeerLost, TensorShardConfigError
+from ds_tensorshard.transports import elastic_store, shutdown
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -64,16 +67,33 @@ def _wrap_init(original):
                 validate_parallel_layout(
                     bound.arguments.get("model"), bound.arguments.get("mpu"), config_class._param_dict
                 )
-            if self._tensorshard_config is not None and self._tensorshard_config.comm_backend == "mpi":
-                from ds_tensorshard.transports.mpi_comm import check_mpi_world
-
-                check_mpi_world()
+                _all_arrived(self._tensorshard_config)
         original(self, *args, **kwargs)
-        warning = elastic_store_warning(os.environ) if _enabled_config(self) is not None else None
+        warning = None
+        if _enabled_config(self) is not None and not elastic_store.round_store_in_use():
+            warning = elastic_store_warning(os.environ)
         if warning is not None:
             log_dist(warning, [0], level=logging.WARNING)
 
     return __init__
+
+
+def _all_arrived(config: TensorShardConfig) -> None:
+    """Every rank at ``deepspeed.initialize`` within ``timeout_s`` (a lost peer named, not waited for), and on
+    the mpi transport the MPI world the torch.distributed world."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        try:
+            shutdown.all_arrived(config.timeout_s, "deepspeed.initialize", mpi=False)
+        except PeerLost as err:
+            if config.comm_backend == "mpi":
+                shutdown.fail(str(err), mpi=True)
+            raise
+    if config.comm_backend == "mpi":
+        from ds_tensorshard.transports.mpi_comm import check_mpi_world
+
+        check_mpi_world()
 
 
 def _wrap_sanity_check(original):
@@ -107,7 +127,7 @@ def _wrap_coalesce(original):
     def coalesce_grad_reduction(self):
         refusal = stock_refusal(self) if _enabled_config(self) is not None else None
         if refusal is not None:
-            raise NotImplementedError(refusal)
+            raise CallRefusedAsStock(refusal)
         with original(self):
             yield
 
@@ -167,11 +187,16 @@ def install() -> None:
             setattr(wrapped, _MARK, current)
             setattr(DeepSpeedEngine, name, wrapped)
     stock_tools.install()
+    elastic_store.install()
 
 
 def installed() -> bool:
-    return stock_tools.installed() and all(
-        getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
-        for name in _WRAPPERS
-        if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)
+    return (
+        stock_tools.installed()
+        and elastic_store.installed()
+        and all(
+            getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
+            for name in _WRAPPERS
+            if name not in _OPTIONAL or hasattr(DeepSpeedEngine, name)
+        )
     )

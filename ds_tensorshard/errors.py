@@ -46,8 +46,26 @@ class TensorShardUsageError(RuntimeError):
     """A use of the engine that ds_tensorshard cannot follow as stock does; names the parameter and the fix."""
 
 
+class CallRefusedAsStock(TensorShardUsageError, NotImplementedError):
+    """A call stock refuses with ``NotImplementedError`` for this engine (``engine.coalesce_grad_reduction()`` where
+    stock would use BF16_Optimizer): refused with stock's message, and a ``NotImplementedError`` too, as stock's is."""
+
+
 class TensorAccessError(ValueError):
     """A ``deepspeed.utils`` ``safe_get_full_*``/``safe_set_full_*`` call a ds_tensorshard engine cannot answer:
     a value of another shape than the tensor, an optimizer-state key the inner optimizer does not keep (or no
     state before its first step), a gradient outside the step's window; names the tensor and the key. A
     ValueError, as stock's own refusal there."""
+
+
+class ElasticStoreError(RuntimeError):
+    """A torchrun round's store could not be had; names what was waited for and torchrun's own remedy."""
+
+
+class HostWorkError(RuntimeError):
+    """The host's part of ZeRO-Offload (adds of reduced gradients, early updates on the host worker) failed in
+    backward; raised at the step, the failure chained."""
+
+
+class PeerLost(RuntimeError):
+    """A rank waited past ``tensorshard.timeout_s`` for the others at start-up or at exit; names the wait."""

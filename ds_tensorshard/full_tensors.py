@@ -148,10 +148,7 @@ class FullTensor:
         flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if param in shard.masters:
             block = shard.blocks[param]
-            grad = shard.step_gradient(param)
-            grad = grad if grad is not None else shard.accumulated.get(param)
-            if grad is not None:
-                flat[block.start : block.stop] = grad.reshape(-1)
+            flat[block.start : block.stop] = shard.grads.view(param, step=_prepared(optimizer)).reshape(-1)
         where = lambda: f"step {optimizer._step_of()}, safe_get_full_grad of '{name}'"  # noqa: E731
         comm = optimizer.domain_of[param].comm  # the group that owns its blocks
         wait_or_fail(lambda: comm.all_reduce_sum(flat, where), comm, where)
@@ -165,11 +162,7 @@ class FullTensor:
         piece = _owned_piece(optimizer, param, name, value, "gradient")
         if piece is None:
             return
-        grad = shard.step_gradient(param)
-        if grad is not None:  # prepare_step() has run: the gradient is the master's (or on the device), in fp32
-            grad.view(-1).copy_(piece)
-        else:
-            shard.accumulated[param] = piece.to(shard.accum_dtype, copy=True)
+        shard.grads.set(param, piece, step=_prepared(optimizer))  # prepared: the step's fp32 gradient
 
 
 def _owned_piece(
@@ -186,6 +179,13 @@ def _owned_piece(
     if block is None:
         return None
     return value.detach().to(param.device).reshape(-1)[block.start : block.stop]
+
+
+def _prepared(optimizer: TensorShardOptimizer) -> bool:
+    """Whether the step began (prepare_step ran): the gradient is then the step's fp32 one."""
+    from ds_tensorshard.optimizer import Phase
+
+    return optimizer.phase is Phase.PREPARED
 
 
 def _gradient_window(optimizer: TensorShardOptimizer, name: str, call: str) -> OwnedShard:

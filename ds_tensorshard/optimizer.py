@@ -26,9 +26,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.coalesce import CoalesceMethods
-from ds_tensorshard.config import TensorShardConfig, bucket_numel, describe_zero_mapping
+from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.defaults import layout_for
 from ds_tensorshard.datapath.domains import DENSE, Domain, domain_names, process_group_of
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
@@ -37,11 +38,13 @@ from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import (
     Decision,
     NormRules,
+    check_steps,
     counted_in_norm,
     decide,
     expert_norm_averaging,
     global_norm,
     loss_scaler_of,
+    read_on_host,
     sum_over_ranks,
 )
 from ds_tensorshard.datapath.offload import StateOffload
@@ -128,11 +131,11 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
         attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
         if engine.global_rank == 0:
-            layout = "stripes" if self.stripes else "windows"
             logger.info(
                 f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
-                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} "
-                f"{layout} of at most {self.bucket_numel:,} elements, fullest rank / ideal {self.plan.imbalance:.4f}; "
+                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} {self.layout.layout} of at "
+                f"most {self.bucket_numel:,} elements ({self.layout.why}), fullest rank / ideal "
+                f"{self.plan.imbalance:.4f}; "
                 f"{describe_zero_mapping(engine._config._param_dict)}"
             )
             for domain in (d for d in self.domains.values() if d.expert):
@@ -202,10 +205,13 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         ]
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
+        counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         dtype = master_dtype(engine, self.optimizer)
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, dtype)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(self.shard, self.params)
+        self.offload = StateOffload(
+            self.shard, self.params, lambda: [b for domain in self.domains.values() for b in domain.reducer.buckets]
+        )
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
@@ -221,8 +227,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             ),
             self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
         )
-        self.bucket_numel = bucket_numel(config, engine._config._param_dict)
-        self.stripes = config.bucket_layout == "stripes"
+        dense = self.domains[DENSE]
+        on_cpu = engine.device.type == "cpu"
+        self.layout = layout_for(config, engine._config._param_dict, dense, on_cpu, self.dtype)  # datapath/defaults.py
+        self.bucket_numel, self.stripes = self.layout.bucket_numel, self.layout.layout == "stripes"
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
         if updates_early(self.rules, self.host is not None) and not pipeline:
             self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)
@@ -286,9 +294,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         return self.reducer.buckets
 
     def drain(self) -> None:
-        """Complete every domain's reductions still in flight."""
+        """Complete every domain's reductions still in flight, and the host's part of them (ZeRO-Offload)."""
         for domain in self.domains.values():
             domain.reducer.drain()
+        self.shard.grads.settle()
 
     def broadcast(self) -> None:
         """Every domain's owners send their updated tensors to the other ranks of its group."""
@@ -354,15 +363,19 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.drain()
         self.shard.gradients_to_masters()
         step = self._step_of()
-        squares = self.shard.squared_grad_norms(lambda p: counted_in_norm(p, self.model_parallel_rank))
+        squares = self.shard.squared_grad_norms()
         describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
-        partials = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
+        partials, steps = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
         norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
-        self.overflow = self.rules.checks_overflow and invalid
         before = self.loss_scale
+        summed, unscaled, bad = read_on_host(steps, norm, invalid, before)  # the step's one host sync
+        check_steps(summed, step, self.comm)
+        self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
-        self._decision = decide(norm, self.overflow, before, self.loss_scale, self.rules, self._global_grad_norm)
+        self._decision = decide(
+            norm, unscaled, self.overflow, before, self.loss_scale, self.rules, self._global_grad_norm
+        )
         self._global_grad_norm = self._decision.reported
         self._defer_broadcast = defer_broadcast
         self.phase = Phase.PREPARED

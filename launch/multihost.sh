@@ -10,7 +10,8 @@
 # MPICH's hydra). Everything made here is removed on exit, failure or Ctrl-C. Where the hosts cannot be made
 # (not root, no namespaces, no sshd/pdsh and no package manager), the tests skip, naming the reason.
 # MULTIHOST_TESTS: the test files (default both: the launchers, test_multihost.py, and elastic training,
-# test_elastic.py); MULTIHOST_USE_ACTIVE_VENV=1: run in the activated venv as it is (no setup_env.sh install).
+# test_elastic.py); MULTIHOST_USE_ACTIVE_VENV=1: run in the activated venv as it is (no setup_env.sh install);
+# EXIT_REPEATS: launches of the script that returns, per MPI (default 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTEST_ARGS=("$@")
@@ -125,8 +126,10 @@ for name in "${NAMES[@]}"; do  # both sshds answer from host A before the tests 
 done
 echo "multihost: hosts ${NAMES[*]} (${ADDRS[*]}) up; running the tests on ${NAMES[0]}"
 export LAUNCHER_MATRIX_OUT="${LAUNCHER_MATRIX_OUT:-$work/rows.jsonl}" ELASTIC_OUT="${ELASTIC_OUT:-$work/elastic.jsonl}"
+export EXITS_OUT="${EXITS_OUT:-$work/exits.jsonl}"
 : >"$LAUNCHER_MATRIX_OUT"
 : >"$ELASTIC_OUT"
+: >"$EXITS_OUT"
 status=0
 started=$SECONDS
 MULTIHOST_TESTS="$MULTIHOST_TESTS" MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL_DIR="$work/local" inside "${NAMES[0]}" bash -c "$(declare -f run_tests); run_tests \"\$@\"" bash "${PYTEST_ARGS[@]}" ||
@@ -134,4 +137,5 @@ MULTIHOST_TESTS="$MULTIHOST_TESTS" MULTIHOST_HOSTS="${NAMES[*]}" MULTIHOST_LOCAL
 echo "multihost: the tests took $((SECONDS - started)) s"
 python launch/launcher_table.py "$LAUNCHER_MATRIX_OUT"
 [ -s "$ELASTIC_OUT" ] && { echo "multihost: elastic figures"; cat "$ELASTIC_OUT"; }
+[ -s "$EXITS_OUT" ] && { echo "multihost: exit statuses of the repeated launches"; cat "$EXITS_OUT"; }
 exit $status

@@ -91,7 +91,7 @@ def saved(single_rank_world, tmp_path):
 SHARED_WORKER = {"tests/multiprocess/test_mpi.py": "tests/multiprocess/test_equivalence.py"}
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest runs without pytest-xdist too (-n 0)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 

@@ -4,7 +4,8 @@ Trains the GPT (or, ``--model lora``, the LoRA-like model) of :mod:`ds_tensorsha
 ``--steps`` timed steps after ``--warmup`` steps and writes ``OUT/CONFIG.rankR.json``: per-step wall times
 split into forward+backward, reduce (time spent after backward finishing gradient reduction; reduction
 overlapped with backward counts in forward+backward), optimizer and gather, the process's CPU time per step
-(every thread), every step's losses, plus peak RSS, optimizer-state bytes and the bytes this rank sent
+(every thread), every step's losses, the ATen operators and host syncs of one more step's ``step()``
+(:mod:`.op_count`), plus peak RSS, optimizer-state bytes and the bytes this rank sent
 through collectives (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of
 the full buffer; a reduce is sent once by every rank but its root, a broadcast once by every rank but the
 one before its root, the last of the ring).
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
+from ds_tensorshard.bench.op_count import OpCounter
 from ds_tensorshard.commands.models import GPT, LORA_RANK, LoRAStack
 
 CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi")
@@ -35,6 +37,10 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi"
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 # ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch and mpi transports)
 OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
+# bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
+MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
+# ds_tensorshard with each bucket_layout set explicitly (ts_torch and ts_mpi take the default, "auto")
+LAYOUT_CONFIGS = ("ts_torch_windows", "ts_torch_stripes", "ts_mpi_windows", "ts_mpi_stripes")
 SHARDED = (
     "ts_torch",
     "ts_mpi",
@@ -43,10 +49,9 @@ SHARDED = (
     "two_ts_separate",
     "two_ts_joint",
     "ts_bf16_masters",
+    *LAYOUT_CONFIGS,
 )  # ds_tensorshard's
-MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi")
-# bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
-MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
+MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes")
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
@@ -120,6 +125,15 @@ def _count_mpi_collectives() -> None:
             return _original(self, flat, spans)
 
         setattr(mpi_comm.MpiComm, name, counted_segments)
+    for name in ("start_reduce_scatter", "start_all_gather"):  # a stripe: (n - 1) / n of its whole buffer
+        original = getattr(mpi_comm.MpiComm, name)
+
+        @functools.wraps(original)
+        def counted_stripe(self, flat, slot, _original=original, _name=name):
+            _SENT["mpi_" + _name] += (self.world_size - 1) / self.world_size * flat.numel() * flat.element_size()
+            return _original(self, flat, slot)
+
+        setattr(mpi_comm.MpiComm, name, counted_stripe)
 
 
 class Clock:
@@ -162,6 +176,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
         config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name in MPI_CONFIGS else "torch"}
+    if name in LAYOUT_CONFIGS:
+        config["tensorshard"]["bucket_layout"] = name.rsplit("_", 1)[1]
     return config
 
 
@@ -396,9 +412,24 @@ def newton_schulz_on_this_rank(name: str, engine) -> tuple[float, float]:
     return mine, total
 
 
+def count_step(setup: Setup, tokens: torch.Tensor) -> dict[str, Any]:
+    """A training step whose step (after backward) runs under an :class:`~.op_count.OpCounter`: the ATen
+    operators it dispatches and the host syncs among them (untimed: counting slows every operator down)."""
+    setup.train(tokens)
+    with OpCounter() as counted:
+        setup.step()
+    return {
+        "aten_ops_per_step": counted.total,
+        "host_syncs_per_step": counted.host_syncs,
+        "aten_ops_by_name": dict(counted.ops.most_common()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + TWO_MODEL_CONFIGS)
+    parser.add_argument(
+        "config", choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS
+    )
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)
@@ -466,7 +497,9 @@ def main() -> None:
                     "losses": losses,
                 }
             )
+    tokens = synthetic_batch(micro, args.seq, args.vocab, generator).to(device)
     result = {
+        **count_step(setup, tokens),  # one more step, untimed
         "config": args.config,
         "rank": rank,
         "world_size": world,

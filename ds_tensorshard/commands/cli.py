@@ -12,9 +12,9 @@ from ds_tensorshard.commands.model_source import add_model_arguments, model_desc
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, parse_network
     from ds_tensorshard.commands.plan_report import format_moe_report, format_report, moe_plan_report, plan_report
-    from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL
+    from ds_tensorshard.datapath.cost_model import DEFAULT_NETWORK, parse_network
+    from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL
     from ds_tensorshard.errors import PlanError
 
     shapes, experts = model_description(args)
@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="tensorshard.split_tensors (default auto); 'never' is always reported beside it",
     )
-    plan.add_argument("--bucket-numel", type=int, help="elements per bucket (default 4,000,000)")
+    plan.add_argument(
+        "--bucket-numel",
+        type=int,
+        help="elements per bucket of the windows, stripes and stock rows (default 4,000,000); the default layout's "
+        "own size and stock's own defaults are reported beside them",
+    )
     plan.add_argument(
         "--optimizer",
         choices=["adam", "muon"],

@@ -31,16 +31,16 @@ def model_shapes(args: argparse.Namespace) -> Shapes:
 
 def model_description(args: argparse.Namespace) -> tuple[Shapes, Experts | None]:
     """``(name, shape)`` of every tensor of the model the arguments name, and its experts (None: dense, or not
-    known, as for a preset or a checkpoint)."""
+    known, as for a checkpoint)."""
     if args.checkpoint:
         from ds_tensorshard.checkpoints.convert import resolve
         from ds_tensorshard.checkpoints.sources import open_checkpoint
 
         source = open_checkpoint(resolve(args.checkpoint, args.tag)[0])
         return [(name, tuple(shape)) for name, shape in source.shapes.items()], None
-    from ds_tensorshard.commands.models import hf_config_model, preset_shapes
+    from ds_tensorshard.commands.models import hf_config_model, preset_experts, preset_shapes
 
     if args.model_config:
         return hf_config_model(args.model_config)
     overrides: dict[str, int] = {k: v for k in GPT_SIZE_KEYS if (v := getattr(args, k, None)) is not None}
-    return preset_shapes(args.preset, **overrides), None
+    return preset_shapes(args.preset, **overrides), preset_experts(args.preset)

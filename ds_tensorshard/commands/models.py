@@ -1,7 +1,7 @@
 """Model shapes the package plans and trains: a GPT-style language model (torch's
 TransformerEncoderLayer, pre-norm, causal, tied head) in named sizes, and the parameter shapes of
-Llama-style models, named or read from a Hugging Face ``config.json`` (Mixtral-style mixtures of experts
-where it has ``num_local_experts``).
+Llama-style models, named or read from a Hugging Face ``config.json`` (Mixtral-style mixtures of experts,
+each expert its own tensors, where it has ``num_local_experts``, and the ``mixtral-8x7b`` preset).
 """
 
 from __future__ import annotations
@@ -142,6 +142,17 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    "mixtral-8x7b": dict(  # Mixtral-8x7B's config.json: Llama-3-8B's layers with 8 experts per MLP, 2 per token
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
 PRESET_NAMES = (*PRESETS, *LLAMA_PRESETS)
 
@@ -243,6 +254,12 @@ def preset_shapes(preset: str, **overrides: int) -> Shapes:
         return llama_shapes(LLAMA_PRESETS[preset])
     model = build(preset, device="meta", **overrides)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def preset_experts(preset: str) -> Experts | None:
+    """The experts of a named mixture-of-experts model (None for a dense one)."""
+    config = LLAMA_PRESETS.get(preset, {})
+    return Experts(config["num_local_experts"], config["num_experts_per_tok"]) if MOE_KEYS[0] in config else None
 
 
 def total_numel(shapes: Shapes) -> int:

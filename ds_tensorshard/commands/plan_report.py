@@ -12,14 +12,25 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
-from ds_tensorshard.commands.cost_model import DEFAULT_NETWORK, STRIPES_TARGET, Network, cost_report
 from ds_tensorshard.commands.models import Experts, expert_index
+from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
+from ds_tensorshard.datapath.cost_model import (
+    DEFAULT_NETWORK,
+    STOCK_REDUCE_BUCKET,
+    Network,
+    cost_report,
+    per_owner_cost,
+    stock_zero2_cost,
+    stripes_padding,
+    tensorshard_stripes_cost,
+)
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, Wire, choose_layout, measured_on_cpu
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import PlanError
@@ -118,6 +129,7 @@ def plan_report(
     sent = sent_per_rank(buckets, world_size)
     reference = all_reduce_sent(plan.total_numel, world_size)
     largest = max(shapes, key=lambda s: math.prod(s[1]))
+    numels = [math.prod(shape) for _, shape in shapes]
     return {
         "world_size": world_size,
         "split_tensors": split,
@@ -139,16 +151,46 @@ def plan_report(
         "wire_ratio": max(sent, default=0) / reference if reference else 1.0,
         "plan_and_buckets_s": seconds,
         "numel_per_rank": list(plan.numel_per_rank),
-        "communication": cost_report(
-            buckets,
-            [math.prod(shape) for _, shape in shapes],
-            max(plan.numel_per_rank),
-            world_size,
-            bucket_numel,
-            network,
-            element_bytes,
-        ),
+        "communication": {
+            **cost_report(buckets, numels, max(plan.numel_per_rank), world_size, bucket_numel, network, element_bytes),
+            **default_report(shapes, plan, network, element_bytes),
+        },
         **({"newton_schulz": newton_schulz_report(shapes, plan, muon)} if muon else {}),
+    }
+
+
+def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, element_bytes: int) -> dict[str, Any]:
+    """What ``bucket_layout: "auto"`` picks on an accelerator at this plan's world size (chosen on the default
+    network, as a run does: it cannot know its network), priced on ``network`` against stock ZeRO-2 at its own
+    defaults (``reduce_bucket_size`` 5e8); with the stripes' padding, in bytes."""
+    n, owned = plan.world_size, list(plan.numel_per_rank)
+    numels = [math.prod(shape) for _, shape in shapes]
+    accelerator = Wire("torch", "an accelerator", on_cpu=False)
+    choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes)
+    stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
+    if choice.layout == "stripes":
+        cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes)
+        buckets, largest = (cost.launches - 1) // 2, choice.bucket_numel
+        padding, padding_per_step = stripes_padding(owned, choice.bucket_numel)
+    else:
+        windows = meta_buckets(shapes, plan, choice.bucket_numel)
+        cost = per_owner_cost(windows, n, network, element_bytes)
+        buckets, largest = len(windows), max((b.numel for b in windows), default=0)
+        padding = padding_per_step = 0
+    return {
+        "default": {
+            "layout": choice.layout,
+            "bucket_numel": choice.bucket_numel,
+            "buckets": buckets,
+            "largest_buffer": largest,
+            **asdict(cost),
+            "time_ratio": cost.seconds / stock.seconds if stock.seconds else 1.0,
+            "padding_bytes": padding * element_bytes,
+            "padding_bytes_per_step": padding_per_step * element_bytes,
+            "why": choice.why,
+        },
+        "default_on_cpu": {t: measured_on_cpu(t, n) for t in ("torch", "mpi")} | {"bucket_numel": DEFAULT_BUCKET_NUMEL},
+        "stock_zero2_defaults": asdict(stock),
     }
 
 
@@ -164,7 +206,7 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
             comm["tensorshard_grouped"],
         ),
         ("ds_tensorshard, stripes (a reduce-scatter and an all-gather per bucket)", comm["tensorshard_stripes"]),
-        ("stock ZeRO-2 (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
+        ("stock ZeRO-2 at that bucket size (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
     ]
     lines = [
         f"  communication per step, predicted (alpha {net['alpha_us']} us per hop, {net['bus_gbps']} GB/s bus across "
@@ -176,16 +218,22 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
         f"({cost['latency_s'] * 1e3:,.1f} ms of it latency)"
         for name, cost in rows
     ]
-    fit = comm["stripes_fit"]
     lines.append(
         f"    ratio to stock ZeRO-2: {comm['per_owner_time_ratio']:.2f}x per owner, "
         f"{comm['grouped_time_ratio']:.2f}x grouped, {comm['stripes_time_ratio']:.2f}x stripes"
     )
-    lines.append(
-        f"    stripes within {STRIPES_TARGET}x stock: bucket_numel {fit['bucket_numel']:,} ({fit['buckets']} buckets, "
-        f"{fit['launches']:,} collectives, {fit['seconds'] * 1e3:,.1f} ms = {fit['time_ratio']:.2f}x stock, "
-        f"wire {fit['wire_ratio']:.4f}x an all-reduce's)"
-    )
+    chosen, stock, cpu = comm["default"], comm["stock_zero2_defaults"], comm["default_on_cpu"]
+    mb = lambda b: f"{b / 1e6:,.1f} MB"  # noqa: E731
+    lines += [
+        f"    default (bucket_layout auto) on accelerators: {chosen['layout']} of {chosen['bucket_numel']:,} elements, "
+        f"{chosen['buckets']:,} buckets, {chosen['launches']:,} collectives, {chosen['seconds'] * 1e3:,.1f} ms = "
+        f"{chosen['time_ratio']:.2f}x stock ZeRO-2 at its defaults (reduce_bucket_size {STOCK_REDUCE_BUCKET:,}: "
+        f"{stock['launches']:,} collectives, {stock['seconds'] * 1e3:,.1f} ms); padding {mb(chosen['padding_bytes'])} "
+        f"in the most padded stripe's buffer, {mb(chosen['padding_bytes_per_step'])} per step",
+        f"      why: {chosen['why']}",
+        f"    default on CPU ranks (measured): {cpu['torch']} on torch (gloo), {cpu['mpi']} on mpi, "
+        f"{cpu['bucket_numel']:,}-element buckets",
+    ]
     return lines
 
 
@@ -202,8 +250,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
         f"(emptiest {report['emptiest_numel'] / report['ideal_numel']:.4f}); "
         f"whole tensors only ('never'): {report['never_imbalance']:.4f}, best possible {report['never_bound']:.4f}",
         f"  split tensors (blocks): {split_text}",
-        f"  buckets {report['buckets']}, largest flat buffer {report['largest_buffer']:,} elements "
-        f"(bucket size {report['bucket_numel']:,})",
+        f"  windows of {report['bucket_numel']:,} elements: {report['buckets']} buckets, largest flat buffer "
+        f"{report['largest_buffer']:,} elements",
         f"  sent per rank per step {report['sent_per_rank_max']:,} elements = {report['wire_ratio']:.4f} x a ring "
         f"all-reduce ({report['all_reduce_sent']:,.0f}); plan + buckets in {report['plan_and_buckets_s'] * 1e3:.0f} ms",
     ]

@@ -364,12 +364,16 @@ def gather(
             cfg["warning"] = "comm_backend 'mpi' cannot run here: " + report["transports"]["mpi"]
     if world_sizes and shapes is not None:
         from ds_tensorshard.commands.plan_report import plan_report
-        from ds_tensorshard.config import DEFAULT_BUCKET_NUMEL, TensorShardConfig, bucket_numel
+        from ds_tensorshard.config import TensorShardConfig
+        from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, requested_bucket_numel
 
         if config is not None and report["config"]["accepted"] and report["config"].get("enabled"):
             split = report["config"]["split_tensors"]
-            bucket = bucket or bucket_numel(
-                TensorShardConfig(**_without_auto(config.get("tensorshard", {}))), _without_auto(config)
+            bucket = (
+                bucket
+                or requested_bucket_numel(
+                    TensorShardConfig(**_without_auto(config.get("tensorshard", {}))), _without_auto(config)
+                )[0]
             )
         report["plans"] = [plan_report(shapes, n, bucket or DEFAULT_BUCKET_NUMEL, split) for n in world_sizes]
     return report

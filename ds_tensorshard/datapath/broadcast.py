@@ -40,8 +40,7 @@ class Broadcast:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
             mine = bucket.segment_of(self.comm.rank)
             if mine is not None:
-                own = [piece.of(piece.param.data) for piece in mine.pieces]
-                torch.cat(own, out=flat[mine.offset : mine.offset + mine.numel])
+                torch.cat(bucket.model_views(mine), out=flat[mine.offset : mine.offset + mine.numel])
             if bucket.slot:
                 pending = self.comm.start_all_gather(flat, bucket.slot)
             else:
@@ -56,8 +55,8 @@ class Broadcast:
             wait_or_fail(pending.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
             for segment in bucket.segments:
                 if segment.owner != self.comm.rank:
-                    pieces, views = zip(*segment.views(flat[segment.offset : segment.offset + segment.numel]))
-                    torch._foreach_copy_([piece.of(piece.param.data) for piece in pieces], list(views))
+                    received = flat[segment.offset : segment.offset + segment.numel]
+                    torch._foreach_copy_(bucket.model_views(segment), list(received.split(segment.sizes)))
             self._fill()
 
 

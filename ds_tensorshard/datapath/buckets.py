@@ -19,7 +19,7 @@ backward order, ``bucket_numel=8``: bucket 0 = [segment 0: b[0:2] | segment 1: a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,9 +52,14 @@ class Segment:
     numel: int
     pieces: tuple[Piece, ...]
 
+    @property
+    def sizes(self) -> list[int]:
+        """Each piece's elements, in order."""
+        return [piece.numel for piece in self.pieces]
+
     def views(self, flat_segment: torch.Tensor) -> Iterator[tuple[Piece, torch.Tensor]]:
         """``(piece, its part of flat_segment)`` for each piece, in order (the parts made in one call)."""
-        yield from zip(self.pieces, flat_segment.split([piece.numel for piece in self.pieces]))
+        yield from zip(self.pieces, flat_segment.split(self.sizes))
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +78,7 @@ class Bucket:
     slot: int = 0
     """A stripe's elements per rank (:func:`build_stripes`): segment ``r`` at ``r x slot``, padded to it, so the
     bucket moves with one reduce-scatter and one all-gather; 0: a window, segments back to back."""
+    _views: dict = field(default_factory=dict, compare=False, repr=False)  # owner -> (storages, model views)
 
     @property
     def spans(self) -> list[tuple[int, int, int]]:
@@ -94,6 +100,20 @@ class Bucket:
                 _cat(segment.pieces, tensor_of, flat[segment.offset : segment.offset + segment.numel])
             return flat
         return _cat(tuple(self.pieces()), tensor_of, torch.empty(self.numel, dtype=dtype, device=self.device))
+
+    def model_views(self, segment: Segment) -> list[torch.Tensor]:
+        """Views of the model's tensors for ``segment``'s pieces (what its owner sends and the others receive),
+        made once (a view is an operator dispatched) and again only where a tensor's storage changed (an
+        offload, a load)."""
+        storages = [piece.param.data_ptr() for piece in segment.pieces]
+        cached = self._views.get(segment.owner)
+        if cached is None or cached[0] != storages:
+            cached = self._views[segment.owner] = (storages, [piece.of(piece.param.data) for piece in segment.pieces])
+        return cached[1]
+
+    def forget_views(self) -> None:
+        """Drop the views made of the model's tensors (they moved: the views would keep the old memory)."""
+        self._views.clear()
 
     def pieces(self) -> Iterator[Piece]:
         for segment in self.segments:

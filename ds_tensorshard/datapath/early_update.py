@@ -1,6 +1,6 @@
 """Early update (ZeRO-Offload): each owned tensor is updated on the host as soon as the last reduced piece of its
-step's gradient arrives, while backward and the other buckets' reductions go on; ``step()`` then updates only
-the tensors not yet updated, and broadcasts.
+step's gradient arrives, while backward and the other buckets' reductions go on (on the host worker, not the
+autograd thread); ``step()`` then updates only the tensors not yet updated, and broadcasts.
 
 Only where the step's outcome cannot depend on gradients that have not arrived yet, so the result is stock's
 bit for bit: no clipping (``gradient_clipping`` 0) and no step that an inf/nan norm could skip, i.e. bf16 with
@@ -32,7 +32,7 @@ def updates_early(rules: NormRules, offloaded: bool) -> bool:
 class EarlyUpdate:
     """Counts the reduced pieces of each owned tensor that reach this ``rank`` in a boundary backward and
     updates a tensor once all of its pieces are there. ``progress()`` is ``(reductions finished, buckets)``:
-    where the first update started is kept in ``first_update_at``."""
+    where the first update was given to the host worker is kept in ``first_update_at``."""
 
     def __init__(
         self, shard: OwnedShard, rank: int, at_boundary: Callable[[], bool], progress: Callable[[], tuple[int, int]]
@@ -49,7 +49,8 @@ class EarlyUpdate:
 
     @torch.no_grad()
     def deliver(self, bucket: Bucket, segment: torch.Tensor) -> None:
-        """A reduced segment arrived: accumulate it and, at the boundary, update the tensors it completes."""
+        """A reduced segment arrived: accumulate it and, at the boundary, update the tensors it completes, on the
+        host worker (:mod:`~ds_tensorshard.datapath.host_worker`) after its add there, off the autograd thread."""
         self.shard.accept(bucket, segment, self.rank)
         if not self.at_boundary():
             return
@@ -63,7 +64,9 @@ class EarlyUpdate:
         if complete:
             if self.first_update_at is None:
                 self.first_update_at = self.progress()
-            self.shard.step(complete)
+            worker = self.shard.grads.worker
+            assert worker is not None, "early updates only with ZeRO-Offload"
+            worker.submit(lambda: self.shard.step(complete))
 
     def next_step(self) -> None:
         """The step is done (or skipped): count afresh."""

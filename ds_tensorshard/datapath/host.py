@@ -14,6 +14,7 @@ move.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -41,8 +42,8 @@ class HostMemory:
         self.pinned = self.pin_memory and get_accelerator().device_name() != "cpu"
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.empty(shape, dtype=dtype, device=HOST)
-        return get_accelerator().pin_memory(tensor) if self.pinned else tensor
+        """Host memory, allocated page-locked where pinned (not an ordinary tensor copied into pinned memory)."""
+        return torch.empty(shape, dtype=dtype, device=HOST, pin_memory=self.pinned)
 
     def zeros(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self.empty(shape, dtype).zero_()
@@ -52,6 +53,18 @@ class HostMemory:
         copy = self.empty(tensor.shape, tensor.dtype).copy_(tensor)
         self.traffic.to_host += tensor.numel() * tensor.element_size()
         return copy if dtype is None or dtype == copy.dtype else self.empty(tensor.shape, dtype).copy_(copy)
+
+    def stage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A host copy of an accelerator ``tensor`` in flight: copied without blocking into pinned memory, and an
+        event recorded after the copy (None on a CPU-only machine, where the copy is done when this returns),
+        which the host synchronizes before it reads the copy."""
+        copy = self.empty(tensor.shape, tensor.dtype).copy_(tensor, non_blocking=self.pinned)
+        self.traffic.to_host += tensor.numel() * tensor.element_size()
+        if not self.pinned:
+            return copy, None
+        event = get_accelerator().Event()
+        event.record()
+        return copy, event
 
     def store(self, tensor: torch.Tensor, target: torch.Tensor) -> None:
         """Copy an accelerator ``tensor`` into the host tensor ``target`` of the same shape and dtype."""

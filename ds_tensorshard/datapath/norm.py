@@ -47,23 +47,34 @@ def counted_in_norm(param: torch.nn.Parameter, model_parallel_rank: int) -> bool
 
 def sum_over_ranks(
     squares: torch.Tensor, step: int, comm: Transport, model_parallel_group: Any, describe: Callable[[], str]
-) -> torch.Tensor:
-    """Each group's sum of squares (fp64, this rank's) summed over the data-parallel ranks in fp32, then
-    over the tensor-parallel shards. One extra element carries the ranks' steps: a rank at another step
-    raises :class:`~ds_tensorshard.errors.StepMismatch` on every rank."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials, steps)``: each group's sum of squares (fp64, this rank's) summed over the data-parallel ranks
+    in fp32, then over the tensor-parallel shards; and the ranks' steps (mod :data:`STEP_CHECK_MODULUS`) summed,
+    for :func:`check_steps`. Both stay on the device: the host reads what it needs once (:func:`read_on_host`)."""
     stats = torch.cat([squares.float(), torch.tensor([float(step % STEP_CHECK_MODULUS)], device=squares.device)])
     wait_or_fail(lambda: comm.all_reduce_sum(stats, describe), comm, describe)
-    partials, steps = stats[:-1].clone(), float(stats[-1])
-    if steps != comm.world_size * (step % STEP_CHECK_MODULUS):
+    partials, steps = stats[:-1].clone(), stats[-1]
+    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
+        dist.all_reduce(partials, group=model_parallel_group)  # tensor-parallel shards add up, as stock
+    return partials, steps
+
+
+def check_steps(summed: float, step: int, comm: Transport) -> None:
+    """Every rank is at ``step``, or :class:`~ds_tensorshard.errors.StepMismatch` on every rank."""
+    if summed != comm.world_size * (step % STEP_CHECK_MODULUS):
         raise StepMismatch(
             f"ds_tensorshard: the ranks of the data-parallel group are at different optimizer steps: this rank "
             f"(rank {comm.rank}) is at step {step}, but their steps (mod {STEP_CHECK_MODULUS}) sum to "
-            f"{steps:.0f}, not {comm.world_size} x {step % STEP_CHECK_MODULUS}; a rank skipped or repeated "
+            f"{summed:.0f}, not {comm.world_size} x {step % STEP_CHECK_MODULUS}; a rank skipped or repeated "
             "a step (its data ran out?)"
         )
-    if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
-        dist.all_reduce(partials, group=model_parallel_group)  # tensor-parallel shards add up, as stock
-    return partials
+
+
+def read_on_host(steps: torch.Tensor, norm: torch.Tensor, invalid: torch.Tensor, scale: float) -> tuple:
+    """``(steps, norm / scale, invalid)`` as Python values, in one device-to-host read: the step's one host
+    sync (the decision to skip, the reported norm and the step check need them)."""
+    summed, unscaled, bad = torch.stack([steps.double(), (norm / scale).double(), invalid.double()]).tolist()
+    return summed, unscaled, bool(bad)
 
 
 def expert_norm_averaging(
@@ -84,14 +95,13 @@ def expert_norm_averaging(
 
 def global_norm(
     partials: torch.Tensor, average_experts: Callable[[torch.Tensor], None] = lambda norms: None
-) -> tuple[torch.Tensor, bool]:
-    """``(norm, invalid)`` from the groups' summed squares: the groups' norms (expert groups' averaged by
-    ``average_experts``) combined in fp32; inf, and invalid, where any group's norm is inf or nan."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm, invalid)`` from the groups' summed squares, on the device: the groups' norms (expert groups'
+    averaged by ``average_experts``) combined in fp32; inf, and invalid, where any group's norm is inf or nan."""
     group_norms = partials.pow(1.0 / 2)
     average_experts(group_norms)
-    if bool((~torch.isfinite(group_norms)).any()):
-        return torch.full((), float("inf"), device=partials.device), True
-    return torch.linalg.vector_norm(group_norms), False
+    invalid = (~torch.isfinite(group_norms)).any()
+    return torch.where(invalid, float("inf"), torch.linalg.vector_norm(group_norms)), invalid
 
 
 @dataclass(frozen=True)
@@ -127,18 +137,20 @@ class Decision:
 
 def decide(
     norm: torch.Tensor,
+    unscaled: float,
     overflow: bool,
     scale_before: float,
     scale_after: float,
     rules: NormRules,
     previous: float | None,
 ) -> Decision:
-    """The step's decision from the (loss-scaled) global ``norm`` and the loss scale before and after its
-    update; ``previous``: the last step's reported norm."""
+    """The step's decision from the (loss-scaled) global ``norm`` (on the device; ``unscaled``: ``norm /
+    scale_before`` read on the host) and the loss scale before and after its update; ``previous``: the last
+    step's reported norm."""
     if overflow:
         reported = None if not rules.compute_norm else float("inf") if rules.overflow_norm_is_inf else previous
         return Decision(overflow=True, divisor=None, reported=reported)
-    reported = float(norm / scale_before) if rules.compute_norm else None
+    reported = unscaled if rules.compute_norm else None
     if rules.clip == 0.0 and scale_after == 1.0:
         return Decision(overflow=False, divisor=None, reported=reported)
     divisor: float | torch.Tensor = scale_after

@@ -1,54 +1,39 @@
-"""Update: master copies, reduced gradients and the inner optimizer, for owned tensors only.
+"""Update: master copies and the inner optimizer, for owned tensors only.
 
 A rank owns whole tensors, and at most one block (whole dim-0 rows) of each tensor the plan split.
 Masters are contiguous fp32 tensors (bf16 with ``bf16_master_weights_and_grads``; CPU FusedAdam silently
 skips non-contiguous ones): the model's own contiguous tensor (or its block, a view) where it has the
 masters' dtype, else a copy. Each param group of the inner
 optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this rank's masters as
-``params``, so optimizer state is created for owned tensors alone.
+``params``, so optimizer state is created for owned tensors alone. The reduced gradients are kept in flat
+buffers (:mod:`~ds_tensorshard.datapath.gradients`) whose fp32 views are the masters' ``.grad`` for good.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 
-from ds_tensorshard.datapath.buckets import Bucket, Piece
+from ds_tensorshard.datapath.adam_lists import AdamLists
+from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.datapath.gradients import OwnedGradients, block_shape
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.muon_offload import DeviceMuon, device_matrices
 from ds_tensorshard.datapath.plan import Block
 
-NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
-
-
-def _block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
-    if block.numel == param.numel():
-        return tuple(param.shape)
-    return (block.numel // max(math.prod(param.shape[1:]), 1), *param.shape[1:])
-
-
-def _widened(chunk: torch.Tensor, buffers: dict[torch.device, torch.Tensor]) -> torch.Tensor:
-    """``chunk`` in fp64, written into one reused buffer per device: a fresh 8 MiB copy per chunk would leave
-    holes that the small tensors made in between split, and the host heap would grow by a chunk each time."""
-    buffer = buffers.get(chunk.device)
-    if buffer is None or buffer.numel() < chunk.numel():
-        buffer = buffers[chunk.device] = torch.empty(chunk.numel(), dtype=torch.float64, device=chunk.device)
-    return buffer[: chunk.numel()].copy_(chunk)
-
 
 class OwnedShard:
     """The tensors (or blocks) a rank owns: masters in ``master_dtype`` (fp32; bf16 with DeepSpeed's
-    ``bf16_master_weights_and_grads``, :mod:`~ds_tensorshard.datapath.precision`), and reduced gradients
-    accumulated in ``accum_dtype``.
+    ``bf16_master_weights_and_grads``, :mod:`~ds_tensorshard.datapath.precision`), and their reduced
+    gradients (``grads``).
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
     else the model dtype), as stock ZeRO-2 uses; gradients take the masters' dtype when the step begins. With ``host``
     (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
-    piece is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
-    for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``
-    (in ``device_grads`` from the step's start), orthogonalized there at their update.
+    segment is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
+    for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``,
+    orthogonalized there at their update. ``counted(param)``: whether the norm counts it.
     """
 
     def __init__(
@@ -58,6 +43,7 @@ class OwnedShard:
         accum_dtype: torch.dtype,
         device: torch.device,
         host: HostMemory | None = None,
+        counted: Callable[[torch.nn.Parameter], bool] = lambda p: True,
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.optimizer = optimizer
@@ -66,19 +52,17 @@ class OwnedShard:
         self.host = host
         self.accum_dtype = accum_dtype
         self.blocks: dict[torch.nn.Parameter, Block] = {}
-        self.accumulated: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.group_of: dict[torch.nn.Parameter, int] = {}
         self.views: set[torch.nn.Parameter] = set()  # params whose master is a view of their own (fp32) tensor
         self.stepped: set[torch.nn.Parameter] = set()  # updated early in this step (datapath.early_update)
-        self.on_device = device_matrices(optimizer) if host is not None else set()  # then this rank's only
+        matrices = device_matrices(optimizer)
+        self.on_device = matrices if host is not None else set()  # then this rank's only
         self.muon = DeviceMuon(optimizer, host, device) if host is not None and self.on_device else None
-        self.device_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the step's fp32 gradients of on_device
-        self.wide_grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 gradients of bf16 masters, until unscaled
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
-                own = param.detach().view(-1)[block.start : block.stop].view(_block_shape(param, block))
+                own = param.detach().view(-1)[block.start : block.stop].view(block_shape(param, block))
                 if host is not None:
                     master = host.fetch(own, master_dtype)
                 elif param.dtype == master_dtype:
@@ -92,103 +76,42 @@ class OwnedShard:
                 masters.append(master)
             group["params"] = masters
         self.on_device &= self.masters.keys()
+        self.grads = OwnedGradients(
+            self.blocks, self.group_of, counted, accum_dtype, device, host, matrices & self.masters.keys(), master_dtype
+        )
+        self.attach_grads()  # a Muon matrix's (on_device) is lent at its update
+        self._own_views: dict[torch.nn.Parameter, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+        fp32 = master_dtype == torch.float32
+        self._adam = AdamLists(optimizer) if fp32 and AdamLists.applies(optimizer) else None  # lists made once
 
     def is_whole(self, param: torch.nn.Parameter) -> bool:
         return self.blocks[param].numel == param.numel()
 
     @torch.no_grad()
     def accept(self, bucket: Bucket, segment: torch.Tensor, rank: int) -> None:
-        """A reduced segment of ``bucket`` arrived at its owner, this ``rank``: accumulate each piece."""
+        """A reduced segment of ``bucket`` arrived at its owner, this ``rank``: add it to the gradients."""
         owned = bucket.segment_of(rank)
         assert owned is not None, "a segment is delivered only to its owner"
-        for piece, grad in owned.views(segment):
-            self.accumulate(piece, grad)
-
-    def accumulate(self, piece: Piece, grad: torch.Tensor) -> None:
-        """Add a reduced gradient piece of an owned tensor to its accumulator."""
-        block = self.blocks[piece.param]
-        total = self.accumulated.get(piece.param)
-        if self.host is not None and piece.param not in self.on_device:
-            grad = self.host.fetch(grad)
-        if total is None:
-            if piece.numel == block.numel:  # the whole block at once: keep (a copy of) it
-                self.accumulated[piece.param] = grad.to(self.accum_dtype, copy=grad.dtype != self.accum_dtype)
-                return
-            total = self.accumulated[piece.param] = torch.zeros(block.numel, dtype=self.accum_dtype, device=grad.device)
-        total[piece.start - block.start : piece.stop - block.start].add_(grad)
+        self.grads.accept(owned, segment)
 
     def gradients_to_masters(self) -> None:
-        """Hand the accumulated gradients to the masters as fp32 (zeros for tensors that got none), except to
-        those already updated early, which have theirs."""
-        for param in self.masters:
-            if param not in self.stepped:
-                self._gradient_to_master(param)
+        """The step's fp32 gradients (the masters' ``.grad``) from the accumulated ones."""
+        self.grads.to_step()
 
-    def _gradient_to_master(self, param: torch.nn.Parameter) -> None:
-        master, total = self.masters[param], self.accumulated.pop(param, None)
-        if param in self.on_device:
-            zeros = torch.zeros(master.shape, dtype=torch.float32, device=self.device)
-            self.device_grads[param] = zeros if total is None else total.to(torch.float32).view(master.shape)
-        else:
-            dtype = torch.promote_types(self.accum_dtype, master.dtype)  # the norm's: bf16 masters, fp32 accumulation
-            grad = torch.zeros(master.shape, dtype=dtype, device=master.device) if total is None else total.to(dtype)
-            if dtype == master.dtype:
-                master.grad = grad.view(master.shape)
-            else:  # kept apart until the unscale: a tensor's .grad must have its dtype
-                self.wide_grads[param] = grad.view(master.shape)
-
-    def _grads_in_master_dtype(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Before the unscale-and-clip and the update: gradients wider than their (bf16) masters take the masters'
-        dtype, as stock casts its flat gradient partition to its master partition's dtype after the norm."""
-        for param in params:
-            wide = self.wide_grads.pop(param, None)
-            if wide is not None:
-                self.masters[param].grad = wide.to(self.masters[param].dtype)
-
-    def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The step's gradient of an owned ``param`` (once the step began; in the masters' dtype, or fp32 until the
-        unscale for bf16 masters with fp32 accumulation), where it is kept."""
-        if param in self.on_device:
-            return self.device_grads.get(param)
-        return self.wide_grads.get(param, self.masters[param].grad)
+    def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The step's gradient of an owned ``param`` (once the step began; fp32, or bf16 for bf16 masters with bf16
+        accumulation: the norm's), where it is kept."""
+        return self.grads.view(param, step=True)
 
     @torch.no_grad()
-    def squared_grad_norms(self, counted: Callable[[torch.nn.Parameter], bool] = lambda p: True) -> torch.Tensor:
-        """Per param group, the sum of squares of this rank's master gradients of the ``counted`` tensors,
-        in fp64 (as stock), a chunk at a time so that no fp64 copy of a whole tensor is made. Offloaded, the
-        chunks' squares are summed on the host in the same order, those of gradients kept on the device
-        brought over together first."""
-        where = self.device if self.host is None else torch.device("cpu")
-        totals = [torch.zeros((), dtype=torch.float64, device=where) for _ in self.optimizer.param_groups]
-        squares: list[tuple[int, torch.Tensor, bool]] = []  # (group, square, computed on the device for the host)
-        wide_buffers: dict[torch.device, torch.Tensor] = {}
-        for param in self.masters:
-            grad = self.step_gradient(param)
-            if grad is not None and counted(param):
-                flat = grad.reshape(-1)
-                for chunk in flat.split(NORM_CHUNK) if flat.numel() > NORM_CHUNK else (flat,):
-                    wide = _widened(chunk, wide_buffers)
-                    squares.append((self.group_of[param], torch.dot(wide, wide), param in self.on_device))
-        if self.host is not None and any(far for _, _, far in squares):
-            fetched = iter(self.host.fetch(torch.stack([s for _, s, far in squares if far])).unbind())
-            squares = [(g, next(fetched) if far else s, False) for g, s, far in squares]
-        for group, square, _ in squares:
-            totals[group].add_(square)
-        return torch.stack(totals).to(self.device)
+    def squared_grad_norms(self) -> torch.Tensor:
+        """Per param group, the sum of squares of this rank's step gradients of the tensors the norm counts, in
+        fp64 (as stock; :meth:`OwnedGradients.squares`), on the device."""
+        return self.grads.squares(len(self.optimizer.param_groups), self.device)
 
-    @torch.no_grad()
     def scale_grads(self, factor: float | torch.Tensor) -> None:
-        """Multiply every step gradient by ``factor``, one multi-tensor operation per device: a factor computed on
-        the accelerator is copied once to the host for the gradients kept there (ZeRO-Offload), since a
-        device scalar cannot enter a host kernel."""
-        self._grads_in_master_dtype(self.masters)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for param in self.masters:
-            grad = self.step_gradient(param)
-            if grad is not None:
-                by_device.setdefault(grad.device, []).append(grad)
-        for device, grads in by_device.items():
-            torch._foreach_mul_(grads, factor.to(device) if isinstance(factor, torch.Tensor) else factor)
+        """Multiply every step gradient by ``factor`` (once per gradient buffer)."""
+        self.grads.scale(factor)
 
     @torch.no_grad()
     def step(self, early: Iterable[torch.nn.Parameter] | None = None) -> None:
@@ -196,13 +119,12 @@ class OwnedShard:
         updated in this step; or, ``early``, those tensors at once, their reduced gradients complete."""
         todo = [p for p in (self.masters if early is None else early) if p not in self.stepped]
         if early is not None:
-            for param in todo:
-                self._gradient_to_master(param)
+            self.grads.to_step(todo)
             self.update(todo, keep_grads=True)
             return
-        self._grads_in_master_dtype(todo)
+        self.grads.narrow()
         if not self.stepped and not self.on_device:
-            self.optimizer.step()
+            self._adam.step() if self._adam is not None else self.optimizer.step()
         elif todo:
             self._step_only(todo)
         self._align_step_counts()
@@ -215,7 +137,7 @@ class OwnedShard:
         steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are. ``keep_grads``: an early
         update, before the norm: the gradients kept on the device are left as they are for it."""
         if params:
-            self._grads_in_master_dtype(params)
+            self.grads.narrow(params)
             self._step_only(params, keep_grads)
             self.stepped.update(params)
             self._write_back(params)
@@ -227,12 +149,15 @@ class OwnedShard:
         return [p for p in params if p not in self.stepped]
 
     def _write_back(self, params: list[torch.nn.Parameter]) -> None:
-        for param in params:
-            master, own = self.masters[param], self._own(param)
-            if self.host is not None:
-                self.host.send(master, own)
-            elif master.data_ptr() != own.data_ptr():
-                own.copy_(master.view(-1))
+        """The updated masters of ``params`` into the model's tensors (an fp32 model's own storage needs nothing):
+        one multi-tensor copy on the device; with ZeRO-Offload each cast on the host and sent."""
+        targets = [param for param in params if param not in self.views]
+        if self.host is not None:
+            for param in targets:
+                self.host.send(self.masters[param], self._own_view(param))
+        elif targets:
+            pairs = [self._flat_pair(param) for param in targets]
+            torch._foreach_copy_([own for own, _ in pairs], [master for _, master in pairs])
 
     def _step_only(self, params: list[torch.nn.Parameter], keep_grads: bool = False) -> None:
         """The inner optimizer's step on the masters of ``params`` alone (each group keeps its dict). An
@@ -256,7 +181,7 @@ class OwnedShard:
         if param not in self.on_device:
             return master
         assert self.muon is not None, "matrices are kept on the device only with offload"
-        grad = self.device_grads[param] if keep_grad else self.device_grads.pop(param)
+        grad = self.grads.view(param, step=True)  # the Muon matrix's, kept on the device
         group = self.optimizer.param_groups[self.group_of[param]]
         return self.muon.pre_orthogonalized(master, group, grad.clone() if keep_grad else grad)
 
@@ -266,6 +191,7 @@ class OwnedShard:
         the tensor it was a view of, and so the memory the move was to free."""
         for param in self.views:
             self._replace_master(param, self._own(param).view(self.masters[param].shape))
+        self.attach_grads()
 
     def separate_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The master of an owned ``param``, first made a tensor of its own where it is an fp32 model's own
@@ -281,7 +207,8 @@ class OwnedShard:
         """``new`` becomes ``param``'s master everywhere the old one was: here, its param group, the optimizer's
         state; it takes over the gradient."""
         master = self.masters[param]
-        new.grad = master.grad
+        if master.grad is not None and master.grad.device == new.device:
+            new.grad = master.grad
         group = self.optimizer.param_groups[self.group_of[param]]["params"]
         group[next(i for i, m in enumerate(group) if m is master)] = new
         if master in self.optimizer.state:
@@ -291,6 +218,19 @@ class OwnedShard:
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
         block = self.blocks[param]
         return param.data.view(-1)[block.start : block.stop]
+
+    def _own_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """:meth:`_own`, made once and again only where the model's tensor moved (its storage changed)."""
+        return self._flat_pair(param)[0]
+
+    def _flat_pair(self, param: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat views of the model's tensor (block) and of its master, made once and again only where either
+        changed (the model's storage moved, the master was replaced)."""
+        master = self.masters[param]
+        cached = self._own_views.get(param)
+        if cached is None or cached[0] != (param.data_ptr(), id(master)):
+            cached = self._own_views[param] = ((param.data_ptr(), id(master)), self._own(param), master.view(-1))
+        return cached[1], cached[2]
 
     def _align_step_counts(self) -> None:
         """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
@@ -303,13 +243,30 @@ class OwnedShard:
                 for master in stepped:
                     state[master]["step"] = count
 
+    def move_grads(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The gradient buffers to where ``moved`` puts them (``offload_states``), the masters' views with them."""
+        self.grads.move(moved)
+        self.attach_grads()
+
+    def forget_views(self) -> None:
+        """Drop the views and lists made once of the model's tensors, masters and state (they moved: kept, the
+        views would keep the memory the move was to free)."""
+        self._own_views.clear()
+        if self._adam is not None:
+            self._adam.forget()
+
+    def attach_grads(self) -> None:
+        """Each master's ``.grad`` is its view of the step gradients where both are on one device; while
+        ``offload_states`` keeps them apart (one moved, not the other), none: reloaded, the views come back."""
+        for param, master in self.masters.items():
+            if param not in self.on_device:
+                grad = self.grads.master_view(param)
+                master.grad = grad if grad.device == master.device else None
+
     def drop_grads(self) -> None:
-        self.accumulated.clear()
-        self.device_grads.clear()
-        self.wide_grads.clear()
+        """The step's gradients are used (or skipped): accumulate the next step's from zero."""
+        self.grads.zero()
         self.stepped.clear()
-        for master in self.masters.values():
-            master.grad = None
 
     @torch.no_grad()
     def reload_from_params(self) -> None:

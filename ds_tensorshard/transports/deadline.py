@@ -98,6 +98,9 @@ def wait_with_deadline(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo, a peer's process gone
+
+
 def diagnosis(comm: Transport, place: str, what: str) -> str:
     """The message for a collective (``what``, at ``place``) that missed its deadline, naming the missing ranks."""
     return (
@@ -107,9 +110,17 @@ def diagnosis(comm: Transport, place: str, what: str) -> str:
 
 
 def wait_or_fail(wait: Callable[[], Any], comm: Transport, where: Callable[[], str]) -> Any:
-    """``wait()``; past the deadline (or at the backend's own timeout), the diagnosis and the transport's
-    ``fail`` (raise or abort)."""
+    """``wait()``; past the deadline (or at the backend's own timeout), or where a peer's process is gone, the
+    diagnosis and the transport's ``fail`` (raise or abort)."""
     try:
         return wait()
     except CollectiveTimeout as err:
         comm.fail(diagnosis(comm, where(), str(err)))
+    except RuntimeError as err:
+        if not any(words in str(err) for words in LOST_PEER):
+            raise
+        place = where()
+        comm.fail(
+            f"ds_tensorshard: {place}: a rank was lost on the {comm.name} transport ({str(err)[:300]}); "
+            f"{missing_ranks(comm.global_ranks[comm.rank], comm.global_ranks, place)}"
+        )

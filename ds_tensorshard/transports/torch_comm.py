@@ -104,12 +104,8 @@ def _completed(work: Any, what: str, timeout: datetime.timedelta | None = None) 
 
 
 def close_process_group() -> None:
-    """End a script's torch.distributed world while Python is fully alive: gloo work objects that are
-    still referenced at interpreter exit can abort the process ("terminate called without an active
-    exception"), so collect them, wait for every rank, then destroy the process group."""
-    import gc
+    """End a script's torch.distributed world (and the plugin's MPI) in order while Python is fully alive:
+    :func:`ds_tensorshard.transports.shutdown.close`, which the plugin also runs at exit."""
+    from ds_tensorshard.transports import shutdown
 
-    gc.collect()
-    if tdist.is_initialized():
-        tdist.barrier()
-        tdist.destroy_process_group()
+    shutdown.close()

@@ -38,6 +38,7 @@ class Watchdog:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
+        self.stopped = False
 
     def watch(self, work: Any, pending: Pending, what: str) -> None:
         """Keep ``work``'s deadline from now until it completes."""
@@ -48,11 +49,22 @@ class Watchdog:
                 self.thread.start()
         self.wake.set()
 
+    def stop(self) -> None:
+        """End the thread and let go of the works it holds (at the job's end, after every rank's last collective:
+        :mod:`~ds_tensorshard.transports.shutdown`)."""
+        with self.lock:
+            thread, self.thread, self.entries, self.stopped = self.thread, None, [], True
+        self.wake.set()
+        if thread is not None:
+            thread.join()
+
     def _run(self) -> None:
         while True:
             self.wake.wait()
             time.sleep(POLL_S)
             with self.lock:
+                if self.stopped:
+                    return
                 self.entries = [entry for entry in self.entries if not entry[1].is_completed()]
                 if not self.entries:
                     self.wake.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import threading
 import warnings
 from contextlib import contextmanager
 from typing import Any
@@ -275,6 +276,21 @@ def _data_factories_through_dispatch() -> None:
         setattr(torch, name, factory)
 
 
+def _threads_on_the_device() -> None:
+    """Every thread started from here on runs under the emulation too (a dispatch mode is per thread): the
+    plugin's host worker and watchdog make and copy device tensors."""
+    if getattr(threading.Thread.run, "_emulated", False):
+        return
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        with EmulatedCuda():
+            original(self)
+
+    run._emulated = True  # type: ignore[attr-defined]
+    threading.Thread.run = run  # type: ignore[method-assign]
+
+
 def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     """Emulated CUDA for this process (see the module docstring); returns the accelerator."""
     from deepspeed.accelerator import set_accelerator
@@ -283,6 +299,7 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     _refuse_mixed_set_data()
     _unbound_process_groups()
     _data_factories_through_dispatch()
+    _threads_on_the_device()
     torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100/H200 (torch.distributed asks)
     if BACKEND.upper() not in vars(tdist.Backend):
         tdist.Backend.register_backend(BACKEND, _gloo, devices=["cpu"])

@@ -159,9 +159,8 @@ class EmulatedTensor(torch.Tensor):
         """The caching allocator's note that ``stream`` uses this memory: nothing to keep here (one stream)."""
 
     def tolist(self) -> Any:  # type: ignore[override]
-        if self.emu_device.type != "cpu":
-            LEDGER.sync("tolist")
-        return self.elem.tolist()
+        """As CUDA's: a copy to the host (a host sync, dispatched: counted), then its values."""
+        return self.to("cpu").tolist()
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
         if self.emu_device.type != "cpu":
@@ -256,7 +255,8 @@ def _dispatch(func, args: tuple, kwargs: dict) -> Any:
     elif func is aten.is_pinned.default:
         return device_of(args[0]).type == "cpu" and LEDGER.is_pinned(args[0])
     else:
-        _check_readable(func, tensors)
+        if not func.is_view:  # a view reads nothing
+            _check_readable(func, tensors)
         common = _common_device(func, tensors)
         out_device = requested or common or CPU
     pin = bool(kwargs.get(_PIN_ARG))

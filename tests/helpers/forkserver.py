@@ -51,6 +51,7 @@ def _run(argv: list[str]) -> int:
         print(stop.code, file=sys.stderr)
         return 1
     except BaseException:
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()  # as the interpreter sets them
         traceback.print_exc()
         return 1
 

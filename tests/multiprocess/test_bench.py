@@ -60,8 +60,11 @@ def test_bench_tiny_runs_all_configurations_and_writes_reports(tmp_path):
     # per-owner reduces and broadcasts, no padding: about what stock stage 0's all-reduce moves
     for name in ("ts_torch", "ts_mpi"):
         assert results[name]["sent_bytes_per_rank"] <= 1.02 * results["stage0"]["sent_bytes_per_rank"]
+    for r in results.values():  # one more step's operators, counted: the optimizer's at least
+        assert r["aten_ops_per_step"] > r["host_syncs_per_step"] >= 0, r
+    assert results["zero2"]["host_syncs_per_step"] > 0  # stock ZeRO-2 reads its norm and overflow on the host
     table = (tmp_path / "results.md").read_text()
-    assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table
+    assert "ds_tensorshard (mpi)" in table and "Step-time ratio" in table and "ATen ops/step" in table
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

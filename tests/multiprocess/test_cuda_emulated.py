@@ -1,4 +1,4 @@
-"""The emulated-CUDA tier's checks that look inside a rank (tests/workers/emulated_worker.py), each against the
+"""The emulated-CUDA tier's checks that look inside a rank (tests/workers/probe_worker.py), each against the
 same run on the CPU. The tier's other checks sit beside the CPU runs they compare with: -m cuda_emulated."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.cuda_emulated
-WORKER = os.path.join(WORKERS, "emulated_worker.py")
+WORKER = os.path.join(WORKERS, "probe_worker.py")
 
 
-def run(check: str, out, world: int = 2, emulated: bool = True) -> list[dict]:
-    run_ranks([WORKER, check, str(out)], world, env=EMULATED if emulated else None)
+def run(check: str, out, world: int = 2, emulated: bool = True, mode: str = "ts") -> list[dict]:
+    run_ranks([WORKER, check, str(out), mode], world, env=EMULATED if emulated else None)
     return [json.load(open(f"{out}.rank{rank}.json")) for rank in range(world)]
 
 
@@ -36,14 +36,30 @@ def test_no_host_blocking_wait_inside_a_gradient_hook(tmp_path):
 def test_offload_states_frees_the_device_memory_as_stock(tmp_path):
     """engine.offload_states() after 2 steps (fp32, stage 2): the trained tensors, the masters (views of an fp32
     model's tensors) and the optimizer state go to pinned host memory, the device's allocated memory falls to
-    the frozen tensor's 128 bytes and its reserved memory with it (the caching allocator's blocks given back);
+    132 bytes and its reserved memory with it (the caching allocator's blocks given back);
     reload_states() brings every tensor back and training goes on as on the CPU."""
     ours, cpu = run("offload-states", tmp_path / "cuda"), run("offload-states", tmp_path / "cpu", emulated=False)
     for rank in range(2):
         (allocated, reserved), after = ours[rank]["before"], ours[rank]["after"]
         assert allocated == reserved and allocated > 100_000, ours[rank]
-        assert after == [128, 128], ours[rank]  # only the frozen parameter (32 fp32), never trained, stays
+        # what stays: the frozen parameter (32 fp32, never trained) and FusedAdam's 4-byte overflow flag
+        assert after == [132, 132], ours[rank]
         offloaded = ours[rank]["offloaded"]
         assert offloaded == {"params": ["cpu"], "masters": ["cpu"], "optimizer state": ["cpu"], "pinned": True}
         assert ours[rank]["reloaded"] == [f"cuda:{rank}"]
+        assert ours[rank]["losses"] == cpu[rank]["losses"]
+
+
+def test_zero_offload_keeps_the_host_work_off_the_autograd_thread(tmp_path):
+    """ZeRO-Offload where each tensor is updated as its last reduced piece arrives (bf16, no clipping), 32
+    buckets: a gradient hook only starts each segment's copy to pinned host memory (non-blocking, an event after
+    it): nothing in a hook waits on the host; the host adds the segments and runs the host optimizer on its
+    worker thread, once each copy's event is synchronized (a read before would be an error here). The CPU
+    run's training."""
+    ours = run("host-waits", tmp_path / "cuda", mode="ts-offload")
+    cpu = run("host-waits", tmp_path / "cpu", emulated=False, mode="ts-offload")
+    for rank in range(2):
+        assert ours[rank]["buckets"] >= 32 and ours[rank]["waits_in_hooks"] > 0, ours[rank]
+        assert ours[rank]["host_blocking_waits_in_hooks"] == 0 and ours[rank]["host_syncs_in_hooks"] == []
+        assert ours[rank]["host_optimizer_threads"] == cpu[rank]["host_optimizer_threads"] == ["ds_tensorshard-host"]
         assert ours[rank]["losses"] == cpu[rank]["losses"]

@@ -5,9 +5,10 @@ kept). The second host's agent and workers are killed (by their ids, over ssh) m
 a save; the first host's agent restarts its workers at world size 2; then the second host's agent starts again
 and the group restarts at 4. Every resumed stretch must equal a resume by hand from the same checkpoint at the
 same world size, and stay within ``ACROSS_WORLDS`` of the uninterrupted 4-rank run. Stock ZeRO-2 under the same
-driver fails to resume at 2. The agents run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
-:func:`test_shared_store_restart_reads_stale_gloo_addresses` shows why. ``ELASTIC_OUT=FILE`` appends one JSON
-line of figures per test.
+driver fails to resume at 2. The agents run with torchrun's defaults (its shared store: the plugin gives each
+round a store of its own, ds_tensorshard/transports/elastic_store.py);
+:func:`test_shared_store_restart_reads_stale_gloo_addresses` shows what that store keeps across rounds without the
+plugin. ``ELASTIC_OUT=FILE`` appends one JSON line of figures per test.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.multihost
 WORKER = os.path.join(WORKERS, "elastic_worker.py")
 PROBE = os.path.join(WORKERS, "rendezvous_probe.py")
 FORWARD = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONPATH", "TORCH_EXTENSIONS_DIR", "PATH")
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a new TCPStore for the workers of every round
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torchrun's own new TCPStore for every round (the probe)
 DEADLINE_S = 900  # one test, the slowest part on 2 shared cores being the ranks' start (imports, FusedAdam load)
 
 
@@ -74,7 +75,7 @@ class Agent:
         self.log = folder / f"agent-{name}.log"
         cmd = [*cmd, "--pids", str(self.pids)]
         if not local:
-            exports = " ".join(f"{k}={shlex.quote(env[k])}" for k in (*FORWARD, *FRESH_STORE) if k in env)
+            exports = " ".join(f"{k}={shlex.quote(env[k])}" for k in FORWARD if k in env)
             remote = f"cd {shlex.quote(str(folder))} && echo $$ > {self.agent_pid_file} && exec env {exports} "
             cmd = ["ssh", host, remote + shlex.join(cmd)]
         with open(self.log, "w") as out:
@@ -190,8 +191,9 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
 
 
 def start_group(hosts: list[str], folder: Path, mode: str, steps: int, max_restarts: int, *options: str):
-    """The second host's agent, then the first's (which serves the rendezvous): both join the first round."""
-    env = {**launcher_env(), **FRESH_STORE}
+    """The second host's agent, then the first's (which serves the rendezvous): both join the first round, with
+    torchrun's defaults (no ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``)."""
+    env = {k: v for k, v in launcher_env().items() if k not in FRESH_STORE}
     cmd = torchrun(
         f"{hosts[0]}:{free_port()}",
         max_restarts,
@@ -229,7 +231,7 @@ def test_lost_host_resumes_at_2_then_at_4_when_it_returns(hosts, tmp_path, unint
     finally:
         for agent in (a, b, *agents):
             agent.stop()
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in a.text()  # the plugin's warning: not with a new store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in a.text()  # the plugin's warning: not with round stores
     first, down, back = starts(log)[:3] if len(starts(log)) == 3 else pytest.fail(f"starts: {starts(log)}")
     # DeepSpeed derived GAS from train_batch_size 8 and micro batch 1 at each world size: the global batch kept
     assert [(s["world"], s["gas"]) for s in (first, down, back)] == [(4, 2), (2, 4), (4, 2)], starts(log)

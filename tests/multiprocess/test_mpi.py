@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -217,3 +218,27 @@ def test_mpi_transport_on_emulated_cuda(mpi_world, tmp_path):
             assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
             assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), case
             assert ours["master_devices"] == [f"cuda:{rank}"], case
+
+
+RETURNING = os.path.join(WORKERS, "returning_script.py")
+EXIT_REPEATS = 2
+
+
+def test_a_script_that_returns_exits_0_with_the_job_ended_in_order():
+    """A script that just returns (tests/workers/returning_script.py, mpi transport, no teardown of its own),
+    ``EXIT_REPEATS`` times under mpiexec: every launch exits 0, and a handler the script registered before
+    ``deepspeed.initialize`` (run after the plugin's) finds the process group destroyed and MPI finalized, while the
+    interpreter was whole: gloo's threads cannot outlive it (ds_tensorshard/transports/shutdown.py). The
+    multihost tier repeats it across two hosts (tests/multiprocess/test_multihost.py)."""
+    codes = []
+    for _ in range(EXIT_REPEATS):
+        proc = run_in_group(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "ds_tensorshard", RETURNING, "tsmpi"],
+            env=mpi_env(free_port()),
+            timeout=TIMEOUT_S,
+        )
+        codes.append(proc.returncode)
+        out = proc.stdout + proc.stderr
+        assert sorted(re.findall(r"AT EXIT rank=(\d) process_group=False mpi_finalized=True", out)) == ["0", "1"], out
+        assert "terminate called" not in out, out[-3000:]
+    assert codes == [0] * EXIT_REPEATS, codes

@@ -177,12 +177,12 @@ def assert_same_training(ours: dict, reference: dict, where: str) -> None:
 
 def assert_offloaded_muon_traffic(ours: dict, rank: int, stage: int) -> None:
     """What crossed between the device and the host (datapath/host.py): the masters' first copy; every step,
-    each vector's reduced gradient once per reduction, each matrix's fp64 gradient square (norm), momentum
-    and update to the host, its momentum to the device from the second step, and every updated tensor back;
-    the matrices' gradients never."""
+    each vector's reduced gradient once per reduction, the fp64 sum of squares of each device gradient buffer
+    (the matrices', for the norm), each matrix's momentum and update to the host, its momentum to the device
+    from the second step, and every updated tensor back; the matrices' gradients never."""
     owned, matrices = ours["numel_per_rank"][rank], ours["device_matrices"]
     vectors, reductions = owned - sum(matrices), GAS if stage == 2 else 1
-    to_host = 4 * owned + STEPS * (4 * vectors * reductions + 8 * len(matrices) + 8 * sum(matrices))
+    to_host = 4 * owned + STEPS * (4 * vectors * reductions + 8 * ours["device_buffers"] + 8 * sum(matrices))
     to_device = STEPS * 4 * owned + (STEPS - 1) * 4 * sum(matrices)
     assert ours["host_traffic"] == {"to_host": to_host, "to_device": to_device}, (rank, stage, ours["host_traffic"])
 

@@ -225,3 +225,57 @@ def test_save_into_a_folder_rank_0_cannot_see_fails_everywhere_naming_the_ranks(
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ):
         verify(str(save / "step2" / name))  # the earlier save is whole: every file at its recorded digest
+
+
+# A peer lost at start-up, at the plugin's first collective and at the end (hang_worker.py MODE = HOW-POINT): the
+# rank that waits for it ends within its deadline, naming the wait and the missing rank. Under mpiexec a killed
+# rank takes the job down at once (hydra), so the mpi transport's cases stop the peer instead.
+LOST_AT = {
+    "init": (
+        TIMEOUT_S,
+        r"ds_tensorshard: deepspeed\.initialize: rank 0 waited for every rank in a torch\.distributed barrier of the "
+        r"default group for at most 5 s \(tensorshard\.timeout_s\), which failed .*; ranks that have not arrived: "
+        r"\[1\]",
+    ),
+    "first": (
+        TIMEOUT_S,
+        r"ds_tensorshard: step 0, reduce of bucket \d+ .*(did not complete within tensorshard\.timeout_s=5 s|a rank "
+        r"was lost) on the (torch \(gloo\)|mpi) transport.*; ranks that have not arrived: \[1\]",
+    ),
+    "exit": (
+        TIMEOUT_S + 2 * GRACE_S,
+        r"ds_tensorshard: at exit, before destroying the process group: rank 0 waited for every rank in (a torch\."
+        r"distributed barrier of the default group|an MPI Ibarrier of MPI_COMM_WORLD) for at most 11 s "
+        r"\(tensorshard\.timeout_s \+ 6 s\), which failed .*; ranks that have not arrived: \[1\]",
+    ),
+}
+LOST_CASES = [  # the default tier's three, then the rest with -m extended
+    ("torch", "kill-init"),
+    ("torch", "stop-exit"),
+    ("mpi", "stop-exit"),
+    *[
+        pytest.param(transport, mode, marks=pytest.mark.extended)
+        for transport, mode in (
+            ("mpi", "stop-init"),
+            ("torch", "stop-init"),
+            ("torch", "kill-first"),
+            ("torch", "stop-first"),
+            ("torch", "kill-exit"),
+            ("mpi", "stop-first"),
+        )
+    ],
+]
+
+
+@pytest.mark.parametrize("transport,mode", LOST_CASES)
+def test_a_peer_lost_at_start_first_collective_or_exit_is_named_within_the_deadline(transport, mode):
+    if transport == "torch":
+        code, ended, out, out1 = run_ranks_until_rank0_ends(mode)
+        lost = events(out1)[mode.split("-")[0]]
+    else:
+        code, ended, out = run_mpiexec(mode)
+        lost = events(out)[mode.split("-")[0]]
+    deadline, message = LOST_AT[mode.split("-")[1]]
+    print(f"{transport} transport, rank 1 lost ({mode}): rank 0 ended {ended - lost:.1f} s later (rc {code})")
+    assert code != 0 and re.search(message, out), out[-3000:]
+    assert ended - lost <= deadline + GRACE_S + SLACK_S, ended - lost

@@ -50,11 +50,12 @@ def test_the_block_reduces_the_sum_of_its_backwards_once_at_its_exit(stage):
         for i in range(BACKWARDS):
             engine.set_gradient_accumulation_boundary(i == BACKWARDS - 1)
             engine.backward(engine(inputs[i]).square().sum())
-            assert optimizer.reducer.started == 0 and not optimizer.shard.accumulated  # nothing reduced yet
+            assert optimizer.reducer.started == 0  # nothing reduced yet
+            assert all(not section.buffer.any() for section in optimizer.shard.grads.sections)
         expected = {p: p.grad.clone() for p in engine.module.parameters()}  # the model's sum of the three
     assert not optimizer._coalesce_grad_reduction and not engine.inside_no_sync_ctxt
     for param, grad in expected.items():  # one rank: the owner's reduced gradient is the local sum
-        assert torch.equal(optimizer.shard.accumulated[param].view_as(grad), grad) and param.grad is None
+        assert torch.equal(optimizer.shard.grads.view(param).view_as(grad), grad) and param.grad is None
     engine.step()
     assert engine.global_steps == 1
 

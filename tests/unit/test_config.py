@@ -11,6 +11,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_full_grad
 
 import ds_tensorshard
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL
 from ds_tensorshard.errors import TensorShardConfigError, UnsupportedDeepSpeedVersion, UnsupportedTorchVersion
 from ds_tensorshard.versions import check_deepspeed_version, check_torch_version, fp16_refusal
 
@@ -153,6 +154,19 @@ def test_single_rank_owns_everything_and_inspects_plan():
     assert opt.plan.numel_per_rank == (sum(p.numel() for p in model.parameters()),)
     assert all(opt.plan.owner(p) == 0 for p in model.parameters())
     assert opt.param_groups is engine.basic_optimizer.param_groups
+
+
+def test_start_up_line_says_which_buckets_were_chosen_and_why(ds_log):
+    _, _, opt = initialize(base_config())  # a CPU rank, gloo, no bucket key: the layout measured faster there
+    assert (opt.layout.layout, opt.bucket_numel) == ("windows", DEFAULT_BUCKET_NUMEL)
+    last_start_up_line = lambda: [line for line in ds_log if line.startswith("ds_tensorshard: stage 2")][-1]  # noqa: E731
+    assert f"{opt.layout.layout} of at most 4,000,000 elements ({opt.layout.why})" in last_start_up_line()
+    assert "windows: measured faster than stripes on CPU ranks (torch (gloo) at 1 rank)" in last_start_up_line()
+    _, _, opt = initialize(base_config(tensorshard={"enabled": True, "bucket_layout": "stripes", "bucket_numel": 8}))
+    assert opt.stripes and opt.bucket_numel == 8
+    assert "stripes of at most 8 elements (bucket_layout and tensorshard.bucket_numel set" in last_start_up_line()
+    _, _, opt = initialize(base_config(zero_optimization={"stage": 2, "reduce_bucket_size": 9}))
+    assert opt.bucket_numel == 9 and "zero_optimization.reduce_bucket_size 9 set in the config" in opt.layout.why
 
 
 def test_install_is_idempotent():
@@ -358,13 +372,16 @@ def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():
         reduced = safe_get_full_grad(model[0].weight)
         opt.prepare_step()  # from here the step's gradient is the one kept on the device
         assert torch.equal(safe_get_full_grad(model[0].weight), reduced)
-        assert opt.shard.step_gradient(model[0].weight) is opt.shard.device_grads[model[0].weight]
+        sections = opt.shard.grads.section_of
+        muon_sections = {id(sections[p]) for p in opt.shard.on_device}  # the matrices' gradient buffers
+        assert all(sections[p].step.device == engine.device for p in opt.shard.on_device)
+        assert muon_sections.isdisjoint(id(sections[p]) for p in opt.shard.masters if p not in opt.shard.on_device)
         engine.step()
         crossed = {k: v - before[k] for k, v in vars(opt.host.traffic).items()}
         lent = 4 * matrices if engine.global_steps > 1 else 0  # the first step's momentum starts as zeros there
-        # to the host: the vectors' gradients, the squares of the matrices' gradients for the norm (fp64, one
-        # each), their momentum and their update
-        to_host = 4 * (owned - matrices) + 8 * 2 + 8 * matrices
+        # to the host: the vectors' gradients, the sum of squares of each matrix buffer for the norm (fp64),
+        # the matrices' momentum and their update
+        to_host = 4 * (owned - matrices) + 8 * len(muon_sections) + 8 * matrices
         assert crossed == {"to_host": to_host, "to_device": lent + 4 * owned}, crossed
     state = opt.optimizer.state
     keys = {k for m in opt.shard.masters.values() for k in state[m]}

@@ -117,3 +117,17 @@ def test_the_watchdog_leaves_collectives_that_complete_in_time_alone():
         work.done = True
     time.sleep(Comm.timeout_s + 3 * POLL_S)
     assert statuses == [] and watchdog.entries == []
+
+
+def test_the_watchdog_stops_at_the_jobs_end_letting_go_of_its_works():
+    """shutdown.close stops each transport's watchdog before destroying the process groups: its thread ends and
+    holds no work (a work still in flight is not diagnosed after that)."""
+    statuses = []
+    watchdog = Watchdog(Comm(), end=statuses.append)
+    watchdog.watch(Work(), Pending(lambda: None), "reduce to rank 1")
+    thread = watchdog.thread
+    assert thread is not None and thread.is_alive()
+    watchdog.stop()
+    assert not thread.is_alive() and watchdog.entries == [] and watchdog.thread is None
+    time.sleep(Comm.timeout_s + 3 * POLL_S)
+    assert statuses == []

@@ -123,23 +123,27 @@ def test_reducer_starts_buckets_in_order_as_gradients_become_final_and_releases_
     assert [b.params[0] for b in reducer.buckets] == [ps[0], ps[2], ps[1]]  # rebuilt in the order seen
 
 
-def test_owned_shard_accumulates_pieces_clips_steps_and_writes_back():
+def test_owned_shard_accumulates_segments_clips_steps_and_writes_back():
     (w,) = params((4, 2))
     optimizer = torch.optim.SGD([w], lr=1.0)
     shard = OwnedShard(optimizer, [[(w, Block(0, 2, 6))]], torch.float32, torch.device("cpu"))  # rows 1-2
     master = shard.masters[w]
     assert master.shape == (2, 2) and master.data_ptr() == w.data_ptr() + 2 * 4  # a view: no second copy
-    from ds_tensorshard.datapath.buckets import Piece
+    from ds_tensorshard.datapath.buckets import Piece, Segment
 
-    shard.accumulate(Piece(w, 2, 4), torch.ones(2))
-    shard.accumulate(Piece(w, 4, 6), torch.full((2,), 3.0))
-    shard.accumulate(Piece(w, 2, 4), torch.ones(2))  # a second micro-step
+    first, second = Segment(0, 0, 2, (Piece(w, 2, 4),)), Segment(0, 0, 2, (Piece(w, 4, 6),))
+    shard.grads.accept(first, torch.ones(2))
+    shard.grads.accept(second, torch.full((2,), 3.0))
+    shard.grads.accept(first, torch.ones(2))  # a second micro-step
     shard.gradients_to_masters()
+    assert master.grad is shard.step_gradient(w)  # bound once: the gradient buffer's view
     assert torch.equal(master.grad, torch.tensor([[2.0, 2.0], [3.0, 3.0]]))
     assert float(shard.squared_grad_norms()[0]) == 4 + 4 + 9 + 9
     before = w.detach().clone()
     shard.step()
     assert torch.equal(w[1:3], (before[1:3] - master.grad)) and torch.equal(w[0], before[0])
+    shard.drop_grads()
+    assert torch.equal(master.grad, torch.zeros(2, 2))  # the next step accumulates from zero
 
 
 def test_gather_writes_the_other_owners_pieces_and_sends_its_own():

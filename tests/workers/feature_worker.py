@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.helpers.tiny_gpt import CHECKPOINTING, TinyGPT
 from tests.workers.equivalence_worker import MICRO_BATCH, SEQ, VOCAB, batch, ds_config, param_groups
 
@@ -117,10 +118,11 @@ def run_case(case: str, out_dir: str) -> None:
     config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
     config["zero_optimization"].update(zero)
     torch.manual_seed(1234)
-    if scenario == "zero_numel":
-        model = WithEmptyParameter()
-    else:
-        model = TinyGPT(vocab=VOCAB, seq=SEQ, checkpointing=CHECKPOINTED.get(scenario))
+    with model_device():
+        if scenario == "zero_numel":
+            model = WithEmptyParameter()
+        else:
+            model = TinyGPT(vocab=VOCAB, seq=SEQ, checkpointing=CHECKPOINTED.get(scenario))
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     if scenario in COMPILED:
         engine.compile(backend=COMPILED[scenario])
@@ -144,7 +146,7 @@ def run_case(case: str, out_dir: str) -> None:
         if scenario == "no_sync_stage1":  # two backwards without reduction, then one with it
             with engine.no_sync():
                 for _ in range(2):
-                    engine.backward(engine(batch(rank, micro)))
+                    engine.backward(engine(batch(rank, micro).to(engine.device)))
                     micro += 1
         unmanaged = scenario.startswith("unmanaged")  # every step() is the boundary, after any number of backwards
         for g in range(UNMANAGED_MICRO_STEPS[step] if unmanaged else gas):
@@ -192,8 +194,8 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
+    init_worker()
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     for case in cases:
         run_case(case, out_dir)
     close_process_group()

@@ -103,6 +103,8 @@ def run_case(case: str, out: str) -> None:
         result["aux_class"] = type(getattr(optimizer.optimizer, "aux_optimizer", None)).__name__
         result["host_traffic"] = None if optimizer.host is None else vars(optimizer.host.traffic).copy()
         result["device_matrices"] = [p.numel() for p in optimizer.shard.on_device]  # offloaded Muon's
+        sections = optimizer.shard.grads.section_of
+        result["device_buffers"] = len({id(sections[p]) for p in optimizer.shard.on_device})  # their gradients
         result["first_update_at"] = getattr(optimizer.early, "first_update_at", None)
         result["last_update_at"] = optimizer.last_update_at
         result["split"] = dict(optimizer.plan.split)

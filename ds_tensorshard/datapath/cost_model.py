@@ -13,8 +13,8 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
   and an all-gather with per-rank counts, or NCCL group calls: one chain latency, the bucket's bytes; built so
   far only for the reduction, the mpi transport's ``Ireduce_scatter``);
 - ``tensorshard_stripes``: ``bucket_layout: "stripes"``, one reduce-scatter and one all-gather per bucket over
-  every rank's slot (padded to the fullest rank's); ``stripes_fit`` is the bucket size with the most buckets
-  (the smallest flat buffers) whose time stays within ``STRIPES_TARGET`` x stock's;
+  every rank's slot (padded to the fullest rank's); :func:`stripes_fit` gives the bucket size with the most
+  buckets (the smallest flat buffers) whose time stays within a limit (``datapath/defaults.py`` sets it);
 - ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
   ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
   ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition
@@ -35,7 +35,7 @@ from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.errors import PlanError
 
 STOCK_ALIGNMENT = 2  # stage_1_and_2.py: nccl_start_alignment_factor, the flat group padded to this x world size
-STRIPES_TARGET = 1.05  # stripes_fit: the most buckets whose predicted time is within this x stock ZeRO-2's
+STOCK_REDUCE_BUCKET = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default, in elements
 
 
 @dataclass(frozen=True)
@@ -151,18 +151,36 @@ def tensorshard_stripes_cost(fullest: int, n: int, bucket_numel: int, net: Netwo
     )
 
 
-def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s: float) -> int:
-    """The bucket size (``n x slot``) of the most stripes over a fullest rank of ``fullest`` elements whose
-    reduce-scatters and all-gathers take at most ``limit_s``; one stripe where none fits."""
+def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s: float, max_numel: int) -> int:
+    """The bucket size (``n x slot``, at most ``max_numel`` where a slot of one element allows it) of the most
+    stripes over a fullest rank of ``fullest`` elements whose reduce-scatters and all-gathers take at most
+    ``limit_s``; where none does, the fewest stripes that ``max_numel`` allows (the fastest within it)."""
+    fewest = -(-fullest // max(1, max_numel // n)) if fullest else 1
 
     def seconds(count: int) -> float:
         return tensorshard_stripes_cost(fullest, n, n * -(-fullest // count), net, element_bytes).seconds
 
-    low, high = 1, max(fullest, 1)  # seconds() grows with the count: the last count within the limit
+    low, high = fewest, max(fullest, fewest)  # seconds() grows with the count: the last count within the limit
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if seconds(middle) <= limit_s else (low, middle - 1)
-    return n * -(-fullest // low)
+    return n * -(-max(fullest, 1) // low)
+
+
+def stripes_padding(owned: Sequence[int], bucket_numel: int) -> tuple[int, int]:
+    """Zeros in stripes of ``bucket_numel`` over ranks owning ``owned`` elements each (``build_stripes``, one
+    dtype): (the most in one stripe's flat buffer, all stripes' together). A slot is ``bucket_numel // n``, the
+    last stripe as wide as the fullest rank has left; rank ``r``'s part of stripe ``k`` is what it owns past
+    ``k x slot``, up to the slot. Padding grows with ``k`` (ranks run out), so the most is in the last full
+    stripe or in the narrower last one."""
+    n, fullest = len(owned), max(owned, default=0)
+    if not fullest:
+        return 0, 0
+    slot = max(1, bucket_numel // n)
+    full, rest = divmod(fullest, slot)
+    zeros = lambda start, width: sum(width - min(width, max(0, o - start)) for o in owned)  # noqa: E731
+    largest = max(zeros((full - 1) * slot, slot) if full else 0, zeros(full * slot, rest) if rest else 0)
+    return largest, n * fullest - sum(owned)
 
 
 def stock_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -248,22 +266,12 @@ def cost_report(
     stock_reduce = stock_zero2_cost(numels, n, bucket_numel, net, element_bytes, multi_rank=False)
     ratio = lambda cost: cost.seconds / stock.seconds if stock.seconds else 1.0  # noqa: E731
     striped = tensorshard_stripes_cost(fullest, n, bucket_numel, net, element_bytes)
-    fit_numel = stripes_fit(fullest, n, net, element_bytes, STRIPES_TARGET * stock.seconds)
-    fit = tensorshard_stripes_cost(fullest, n, fit_numel, net, element_bytes)
-    total = sum(numels)
     return {
         "network": asdict(net),
         "element_bytes": element_bytes,
         "tensorshard_per_owner": asdict(per_owner),
         "tensorshard_grouped": asdict(grouped),
         "tensorshard_stripes": asdict(striped),
-        "stripes_fit": {
-            "bucket_numel": fit_numel,
-            "buckets": (fit.launches - 1) // 2,
-            **asdict(fit),
-            "time_ratio": ratio(fit),
-            "wire_ratio": n * fullest / total if total else 1.0,  # every stripe padded to the fullest rank's slot
-        },
         "stock_zero2": asdict(stock),
         "stock_zero2_reduce": asdict(stock_reduce),
         "per_owner_time_ratio": ratio(per_owner),

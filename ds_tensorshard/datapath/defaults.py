@@ -1,0 +1,165 @@
+"""The bucket layout and size a run takes: the config's keys where it sets them, else chosen for the transport,
+the backend and the world size (``bucket_layout: "auto"``, the default).
+
+- Explicit keys win: ``tensorshard.bucket_numel``, else ``zero_optimization.reduce_bucket_size``, is the bucket
+  size; ``bucket_layout`` ``"windows"`` or ``"stripes"`` the layout. What they leave open is chosen as below, with
+  the size they give where they give one.
+- CPU ranks (gloo, MPI over CPU): the layout measured faster on CPUs (:func:`measured_on_cpu`: windows on the
+  torch transport, on mpi windows below 4 ranks and stripes from 4; figures in ``docs/performance.md``), in
+  buckets of ``DEFAULT_BUCKET_NUMEL`` (the size measured).
+- Accelerators (NCCL and the like), more than one rank: stripes, by the α-β cost model (:mod:`.cost_model`, its
+  default network): the most buckets whose predicted communication per step is at most ``TARGET`` x stock
+  ZeRO-2's at its own defaults (``reduce_bucket_size`` 5e8), each flat buffer within those 5e8 elements; where no
+  bucket size within them gets there, the fewest buckets they allow (the fastest). Windows at the same size are
+  never faster by the model (two launches per owner present against two per bucket), so they are not priced.
+  One rank communicates nothing: windows of ``DEFAULT_BUCKET_NUMEL``.
+
+The choice is made once, over the data-parallel group's tensors and plan; expert groups (MoE) take it too.
+
+Worked example (the default network, 8 ranks in one node: 9.6 us per hop, 450 GB/s): eight tensors of 1e8 bf16
+elements, one per rank. Stock ZeRO-2 all-reduces them in two buckets of 5e8 and 3e8 elements (4.02 + 2.47 ms),
+all-gathers the 8e8 (3.18 ms) and all-reduces the norm (0.06 ms): 9.73 ms. K stripes take 6.22 ms on the wire,
+2 x 67.2 us of latency each and the norm: 0.9 x 9.73 ms allows K = 18, so ``bucket_numel`` is
+8 x ceil(1e8 / 18) = 44,444,448 (8.70 ms, 0.89x stock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.datapath.cost_model import (
+    DEFAULT_NETWORK,
+    STOCK_REDUCE_BUCKET,
+    Network,
+    stock_zero2_cost,
+    stripes_fit,
+    tensorshard_stripes_cost,
+)
+
+if TYPE_CHECKING:
+    from ds_tensorshard.datapath.domains import Domain
+
+DEFAULT_BUCKET_NUMEL = 4_000_000  # elements: windows' size, and CPU ranks' (two buckets in flight cost little memory)
+TARGET = 0.9  # stripes on accelerators: the most buckets whose predicted time is at most this x stock ZeRO-2's
+# On CPU ranks, the fewest ranks from which stripes measured faster than windows, per comm_backend (None: windows
+# at every size measured); "ds-tensorshard bench --configs ts_torch_windows ts_torch_stripes ts_mpi_windows
+# ts_mpi_stripes" at 2 and 4 ranks, 6 runs each (docs/performance.md, "Bucket layout on CPU ranks, measured")
+STRIPES_ON_CPU_FROM: dict[str, int | None] = {"torch": None, "mpi": 4}
+Layout = Literal["windows", "stripes"]
+
+
+def measured_on_cpu(comm_backend: str, world_size: int) -> Layout:
+    """The layout measured faster on CPU ranks for this transport at this world size."""
+    fewest = STRIPES_ON_CPU_FROM[comm_backend]
+    return "stripes" if fewest is not None and world_size >= fewest else "windows"
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The buckets' layout and size, and why (the start-up log line says it)."""
+
+    layout: Layout
+    bucket_numel: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Wire:
+    """Where the buckets travel: ``comm_backend``, the transport's name (``"torch (nccl)"``, ``"mpi"``), whether
+    the ranks are CPUs."""
+
+    comm_backend: str
+    transport: str
+    on_cpu: bool
+
+
+def requested_bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> tuple[int | None, str]:
+    """The bucket size the config sets and the key that sets it: ``tensorshard.bucket_numel``, else a
+    ``zero_optimization.reduce_bucket_size`` that is a positive number; (None, "") where neither does."""
+    if config.bucket_numel is not None:
+        return config.bucket_numel, "tensorshard.bucket_numel"
+    size = (param_dict.get("zero_optimization", {}) or {}).get("reduce_bucket_size")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
+        return int(size), "zero_optimization.reduce_bucket_size"
+    return None, ""
+
+
+def layout_for(
+    config: TensorShardConfig, param_dict: Mapping[str, Any], domain: Domain, on_cpu: bool, dtype: torch.dtype
+) -> LayoutChoice:
+    """:func:`choose_layout` for a run's data-parallel ``domain`` (its transport, tensors and plan), with
+    gradients of ``dtype``."""
+    owned = [0] * domain.comm.world_size
+    for param in domain.params:
+        for block in domain.plan.blocks_of(param):
+            owned[block.rank] += block.numel
+    wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
+    element_bytes = dtype.itemsize
+    return choose_layout(config, param_dict, wire, [p.numel() for p in domain.params], owned, element_bytes)
+
+
+def choose_layout(
+    config: TensorShardConfig,
+    param_dict: Mapping[str, Any],
+    wire: Wire,
+    numels: Sequence[int],
+    owned: Sequence[int],
+    element_bytes: int,
+) -> LayoutChoice:
+    """The layout and bucket size of a run whose data-parallel group has ranks owning ``owned`` elements each, of
+    tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire."""
+    size, size_key = requested_bucket_numel(config, param_dict)
+    layout = None if config.bucket_layout == "auto" else config.bucket_layout
+    if layout is not None and size is not None:
+        return LayoutChoice(layout, size, f"bucket_layout and {size_key} set in the config")
+    given = f"{size_key} {size:,} set in the config" if size is not None else ""
+    n = len(owned)
+    if wire.on_cpu:
+        chosen = layout or measured_on_cpu(wire.comm_backend, n)
+        other = "stripes" if chosen == "windows" else "windows"
+        why = "bucket_layout set in the config" if layout else f"{chosen}: measured faster than {other} on CPU ranks"
+        why += f" ({wire.transport} at {n} rank{'s' if n != 1 else ''})"
+        return LayoutChoice(chosen, size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
+    if n == 1 or layout == "windows":
+        why = "one rank: nothing is communicated" if n == 1 else "bucket_layout set in the config"
+        return LayoutChoice(layout or "windows", size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
+    if size is not None:
+        return LayoutChoice(
+            "stripes",
+            size,
+            f"{given}; stripes: on {wire.transport} at {n} ranks the cost model "
+            "prices them below windows at any bucket size",
+        )
+    bucket, why = default_stripes(numels, owned, element_bytes)
+    return LayoutChoice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}")
+
+
+def default_stripes(numels: Sequence[int], owned: Sequence[int], element_bytes: int) -> tuple[int, str]:
+    """The stripes' bucket size on an accelerator (the rule in the module's docstring) and the reason, in words."""
+    n, fullest, net = len(owned), max(owned), DEFAULT_NETWORK
+    stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds
+    bucket = stripes_fit(fullest, n, net, element_bytes, TARGET * stock, STOCK_REDUCE_BUCKET)
+    cost = tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes)
+    ratio = cost.seconds / stock if stock else 1.0
+    rule = (
+        f"the most buckets predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
+        if ratio <= TARGET
+        else f"the fewest buckets (the fastest) with flat buffers within stock's {STOCK_REDUCE_BUCKET:,}-element "
+        f"bucket; none there is predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
+    )
+    return bucket, (
+        f"stripes, {(cost.launches - 1) // 2} buckets at {n} ranks: {rule} (cost model, {describe(net)}: "
+        f"{cost.seconds * 1e3:,.1f} ms against {stock * 1e3:,.1f} ms, {ratio:.2f}x)"
+    )
+
+
+def describe(net: Network) -> str:
+    return (
+        f"{net.alpha_us} us per hop, {net.bus_gbps} GB/s across {net.intra_node_ranks}-rank nodes, "
+        f"{net.intra_gbps} GB/s within"
+    )
