@@ -5,8 +5,8 @@ gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_
 backwards in a micro-step, activation checkpointing (torch's non-reentrant and reentrant, DeepSpeed's) and
 engine.compile() (aot_eager; inductor behind -m extended); and the global norm's memory (a subprocess).
 At 2 ranks, in one launch: the DeepSpeed 0.17-0.19 keys ds_tensorshard follows (gradient_allreduce_op
-"sum", managed_gradient_accumulation false, torch_autocast bf16) and PyTorch-style backward (loss.backward()
-and engine.step(); fp16 through engine.scale(loss)) at stages 1 and 2.
+"sum", managed_gradient_accumulation false, torch_autocast bf16, engine.coalesce_grad_reduction()) and PyTorch-style
+backward (loss.backward() and engine.step(); fp16 through engine.scale(loss)) at stages 1 and 2.
 """
 
 from __future__ import annotations
