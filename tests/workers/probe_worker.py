@@ -191,6 +191,8 @@ def step(rank: int, world: int, mode: str) -> dict:
     config = ds_config("bf16", mode, 2, world)
     config.update(gradient_accumulation_steps=1, train_batch_size=world, train_micro_batch_size_per_gpu=1)
     config.pop("scheduler")
+    config["zero_optimization"].pop("reduce_bucket_size")  # each at its defaults, as a user runs them
+    config.get("tensorshard", {}).pop("bucket_layout", None)
     torch.manual_seed(1234)
     with model_device():
         model = GPT(vocab=vocab, seq=seq, width=width, layers=layers, heads=max(1, width // 128))
