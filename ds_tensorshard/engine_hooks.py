@@ -28,7 +28,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import log_dist
 
-from ds_tensorshard.checkpoints import stock_tools
+from ds_tensorshard.checkpoints import fp32_reader
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.config import (
     TensorShardConfig,
@@ -38,6 +38,7 @@ from ds_tensorshard.config import (
 )
 from ds_tensorshard.datapath.inner_optimizer import check_supported
 from ds_tensorshard.errors import PeerLost, TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.full_tensors import attach
 from ds_tensorshard.transports import elastic_store, shutdown
 
 if TYPE_CHECKING:
@@ -113,7 +114,9 @@ def _wrap_configure_zero(original):
         from ds_tensorshard.many import joint_plan_of
         from ds_tensorshard.optimizer import TensorShardOptimizer
 
-        return TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
+        sharded = TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
+        attach(sharded)  # deepspeed.utils.safe_get_full_* / safe_set_full_* on every trained parameter
+        return sharded
 
     return _configure_zero_optimizer
 
@@ -172,13 +175,13 @@ def install() -> None:
             wrapped = wrap(current)
             setattr(wrapped, _MARK, current)
             setattr(DeepSpeedEngine, name, wrapped)
-    stock_tools.install()
+    fp32_reader.install()
     elastic_store.install()
 
 
 def installed() -> bool:
     return (
-        stock_tools.installed()
+        fp32_reader.installed()
         and elastic_store.installed()
         and all(
             getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None

@@ -10,7 +10,6 @@ data-parallel group's for dense tensors, and one per expert group for the expert
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Any
 
@@ -26,10 +25,11 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
+from ds_tensorshard.datapath.backward_check import BackwardCheck
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
-from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
-from ds_tensorshard.datapath.domains import DENSE, Domain, domain_names, process_group_of
+from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
@@ -47,35 +47,13 @@ from ds_tensorshard.datapath.norm import (
     sum_over_ranks,
 )
 from ds_tensorshard.datapath.offload import StateOffload
-from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
+from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
-from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
+from ds_tensorshard.datapath.reduce import Averaging, autocast_comm_dtypes
+from ds_tensorshard.datapath.reducers import reductions_done, start_reducers
 from ds_tensorshard.datapath.update import OwnedShard
-from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
-from ds_tensorshard.full_tensors import attach
-from ds_tensorshard.transports import open_transport
+from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
-
-
-def direct_backward_refusal(release: tuple[int, ...]) -> str | None:
-    """Why a direct ``loss.backward()`` (instead of ``engine.backward(loss)``) cannot run as stock on DeepSpeed
-    ``release``, or None: from 0.18.5 the engine itself runs the end of such a backward (its reduction) from an
-    autograd callback, for any ZeRO optimizer; 0.18.3 and 0.18.4 leave it to stock ZeRO's own gradient hooks,
-    which ds_tensorshard replaces; earlier releases have no PyTorch-style backward at all."""
-    if release >= (0, 18, 5):
-        return None
-    if release >= (0, 18, 3):
-        return "its engine leaves the end of a direct backward (the reduction) to stock ZeRO's own gradient hooks"
-    return "it has no PyTorch-style backward (DeepSpeed 0.18.3 added it): only engine.backward(loss) reduces"
-
-
-class Phase(enum.Enum):
-    """Where the optimizer is in a step; only its own methods change it."""
-
-    ACCUMULATING = "accumulating"  # backward passes run; reductions may be in flight
-    REDUCED = "reduced"  # the boundary's backward was reduced: the step's gradients are on their owners
-    PREPARED = "prepared"  # prepare_step() ran: the norm is known and the loss scale updated
-    BROADCASTING = "broadcasting"  # step() ran with its broadcasts deferred; finish_broadcast() completes them
 
 
 class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
@@ -127,7 +105,6 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.last_update_at: tuple[int, int] | None = None  # ZeRO-Offload's pipelined updates (step())
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
-        attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
         if engine.global_rank == 0:
             logger.info(
                 f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
@@ -156,11 +133,8 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.custom_loss_scaler, self.external_loss_scale, self.torch_autocast_gradscaler = False, None, None
         self.overflow, self._global_grad_norm = False, None
         # a direct loss.backward(): followed where the engine runs its end (from 0.18.5), else refused when it starts
-        release = installed_release()
-        refusal = None if isinstance(engine, PipelineEngine) else direct_backward_refusal(release)
-        self._direct_backward_refusal = refusal and f"deepspeed {'.'.join(map(str, release))}: {refusal}"
-        self._engine_backward_running = lambda: getattr(engine, "_running_engine_backward", None)
-        self._in_optimizer_backward = False  # engines before 0.18.3 run engine.backward through self.backward
+        running = lambda: getattr(engine, "_running_engine_backward", None)  # noqa: E731
+        self.backward_check = BackwardCheck(installed_release(), not isinstance(engine, PipelineEngine), running)
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: OwnershipPlan | None) -> None:
         """One domain per process group (:mod:`~ds_tensorshard.datapath.domains`): the dense tensors' over the
@@ -172,25 +146,16 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
         self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
-        if joint is not None and set(self.group_domains) != {DENSE}:
-            raise TensorShardConfigError(
-                "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
-                "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
-            )
-        if set(self.group_domains) != {DENSE} and type(self.optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
-            raise TensorShardConfigError(
-                f"the Muon optimizer ({type(self.optimizer).__name__}) with a mixture-of-experts model: not checked "
-                "against stock ZeRO-1/2 with expert tensors; use Adam/AdamW, or disable 'tensorshard.enabled'"
-            )
-        self.domains: dict[str, Domain] = {}
-        for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank
-            group = process_group_of(name, self.dp_process_group)
-            comm = open_transport(config.comm_backend, group, config.timeout_s, engine.device)
-            in_domain = {p for g, d in zip(self.bit16_groups, self.group_domains) if d == name for p in g}
-            params = [p for p in self.params if p in in_domain]
-            names = {p: self.names[p] for p in params}
-            plan = plan_for(self.optimizer, names, comm.world_size, config.split_tensors, joint)
-            self.domains[name] = Domain(name, comm, params, plan)
+        self.domains = open_domains(
+            self.optimizer,
+            self.params,
+            self.names,
+            self.group_domains,
+            self.dp_process_group,
+            config,
+            engine.device,
+            joint,
+        )
         self.domain_of = {p: self.domains[d] for g, d in zip(self.bit16_groups, self.group_domains) for p in g}
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
@@ -211,7 +176,6 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
         pipeline = isinstance(engine, PipelineEngine)
         stage1 = not self.partition_gradients
-        self.comm_dtype_of = autocast_comm_dtypes()  # before the buckets: they are cut per communication dtype
         self.intake = GradientIntake(
             self.params,
             self.names,
@@ -224,59 +188,18 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.bucket_numel, self.stripes = self.layout.bucket_numel, self.layout.layout == "stripes"
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
         if updates_early(self.rules, self.host is not None) and not pipeline:
-            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)
+            done = functools.partial(reductions_done, self.domains)
+            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, done)
         # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
         averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
-        for domain in self.domains.values():
-            domain.reducer = OverlappedReducer(
-                self._build_buckets(domain, list(reversed(domain.params))),
-                domain.comm,
-                averaging,
-                self.early.deliver if self.early else functools.partial(self._accept, domain.comm.rank),
-                domain.params,
-                self.names.__getitem__,
-                functools.partial(self._build_buckets, domain),
-                self.intake.gradient_of,
-                self.intake.release,
-                self._step_of,
-                lambda: engine.micro_steps if self._at_boundary() else None,
-            )
+        boundary = lambda: engine.micro_steps if self._at_boundary() else None  # noqa: E731
+        start_reducers(
+            self.domains, self.layout, autocast_comm_dtypes(), averaging, self.shard, self.early, self.intake,
+            self.names, self._step_of, boundary,
+        )  # fmt: skip
         self.reducer = self.domains[DENSE].reducer
         self.intake.to_reducer = lambda param: self.domain_of[param].reducer.gradient_ready(param)
-        self.intake.check_caller = self._check_backward_caller
-
-    def _accept(self, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
-        """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
-        self.shard.accept(bucket, segment, rank)
-
-    def _build_buckets(self, domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        if self.stripes:
-            world = domain.comm.world_size
-            buckets = build_stripes(backward_order, domain.plan.blocks_of, self.bucket_numel, world, self.comm_dtype_of)
-        else:
-            buckets = build_buckets(backward_order, domain.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
-        if self.early is not None:
-            self.early.expect(buckets)
-        return buckets
-
-    def _reductions_done(self) -> tuple[int, int]:
-        """(reductions of this backward completed, buckets): where an early update started."""
-        return self.reducer.started - len(self.reducer.in_flight), len(self.reducer.buckets)
-
-    def _check_backward_caller(self) -> None:
-        """Called as each gradient arrives: a direct ``loss.backward()`` on a release where it cannot follow stock
-        is refused at its first gradient, before anything is reduced."""
-        if self._direct_backward_refusal is None:
-            return
-        running = self._engine_backward_running()
-        if running is None:  # the engine has no flag: it runs engine.backward through self.backward
-            running = self._in_optimizer_backward
-        if not running:
-            raise TensorShardUsageError(
-                "ds_tensorshard: loss.backward() was called directly, not through engine.backward(loss), on "
-                f"{self._direct_backward_refusal}; so the gradients would not be reduced as stock reduces them. "
-                "Call engine.backward(loss), or use deepspeed >= 0.18.5"
-            )
+        self.intake.check_caller = self.backward_check.check
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -313,11 +236,11 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Engines before DeepSpeed 0.18.3 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
         does, the loss in fp32 times the loss scale (1 unless fp16). Newer engines scale and run it themselves."""
-        self._in_optimizer_backward = True
+        self.backward_check.in_optimizer_backward = True
         try:
             self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
         finally:
-            self._in_optimizer_backward = False
+            self.backward_check.in_optimizer_backward = False
 
     # -- reduce ---------------------------------------------------------------------------------
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
