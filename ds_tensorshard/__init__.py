@@ -15,6 +15,7 @@ from ds_tensorshard.config import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
 from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
 from ds_tensorshard.errors import (  # noqa: E402
+    CallRefusedAsStock,
     CheckpointError,
     CollectiveTimeout,
     ElasticStoreError,
@@ -22,6 +23,7 @@ from ds_tensorshard.errors import (  # noqa: E402
     ModelSourceError,
     PeerLost,
     PlanError,
+    RefusedAsStock,
     StepMismatch,
     TensorAccessError,
     TensorShardConfigError,
@@ -39,6 +41,8 @@ __all__ = [
     "TensorShardConfig",
     "TensorShardConfigError",
     "CheckpointError",
+    "CallRefusedAsStock",
+    "RefusedAsStock",
     "CollectiveTimeout",
     "ElasticStoreError",
     "HostWorkError",

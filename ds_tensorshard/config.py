@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.errors import RefusedAsStock, TensorShardConfigError
 
 BLOCK = "tensorshard"
 ENV_SWITCH, ENV_CONFIG = "DS_TENSORSHARD", "DS_TENSORSHARD_CONFIG"  # turn the plugin on for configs built in code
@@ -103,10 +103,26 @@ def _requested_block(param_dict: Mapping[str, Any]) -> tuple[Any, str]:
 
 
 def _offload_device(block: Any) -> str | None:
+    """The device of an ``offload_*`` block: a string, or DeepSpeed's ``OffloadDeviceEnum`` (a str enum, whose
+    ``str()`` is its name on Python 3.11, ``'OffloadDeviceEnum.cpu'``); None where nothing is offloaded."""
     if isinstance(block, Mapping):
         device = block.get("device", "none")
+        device = getattr(device, "value", device)
         return None if device in (None, "none") else str(device)
     return None
+
+
+# DeepSpeed's deprecated ZeRO flags and the key each one sets (DeepSpeedZeroConfig: true means device cpu, false none)
+DEPRECATED_OFFLOAD = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_param"}
+
+
+def _offload_block(zero: Mapping[str, Any], key: str) -> Any:
+    """``zero_optimization.<key>`` as stock reads it: its deprecated flag (``cpu_offload``, ``cpu_offload_param``),
+    where set, stands for ``{"device": "cpu"}`` (true) or no block (false); DeepSpeed refuses both at once."""
+    flag = zero.get(DEPRECATED_OFFLOAD[key])
+    if flag is not None:
+        return {"device": "cpu"} if _truthy(flag) else None
+    return zero.get(key)
 
 
 def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any = None) -> TensorShardConfig | None:
@@ -127,6 +143,7 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
             + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else "")
         )
     _check_offload(zero)
+    _refuse_as_stock(zero)
     _refuse_unfollowed_keys(param_dict, zero)
     # stock ZeRO-2 asserts these (stage_1_and_2.py), except under gradient_allreduce_op "sum", which ignores them
     if stage == 2 and zero.get("reduce_scatter", True) and not _sums_gradients(param_dict):
@@ -188,23 +205,24 @@ def offloads_optimizer(param_dict: Mapping[str, Any]) -> bool:
     """Whether the config asks for ZeRO-Offload of the optimizer: ``zero_optimization.offload_optimizer`` with
     device cpu (each owner's fp32 masters and optimizer state in host memory)."""
     zero = param_dict.get("zero_optimization", {}) or {}
-    return _offload_device(zero.get("offload_optimizer")) == "cpu"
+    return _offload_device(_offload_block(zero, "offload_optimizer")) == "cpu"
 
 
 def _check_offload(zero: Mapping[str, Any]) -> None:
-    """``offload_optimizer`` device cpu is followed; NVMe, ``offload_param`` and the legacy ``cpu_offload`` are
-    refused, naming the key."""
-    device = optimizer_device = _offload_device(zero.get("offload_optimizer"))
+    """``offload_optimizer`` device cpu (or the deprecated ``cpu_offload: true``, as stock reads it) is followed;
+    NVMe and ``offload_param`` are refused, naming the key."""
+    device = optimizer_device = _offload_device(_offload_block(zero, "offload_optimizer"))
     if device not in (None, "cpu"):
         raise TensorShardConfigError(
             f"'zero_optimization.offload_optimizer' device {device!r} is not supported with '{BLOCK}.enabled': "
             "stock ZeRO-1/2 has no NVMe optimizer offload either (DeepSpeed swaps optimizer state to NVMe at "
             'ZeRO stage 3 only); use {"device": "cpu"}'
         )
-    device = _offload_device(zero.get("offload_param"))
+    device = _offload_device(_offload_block(zero, "offload_param"))
     if device is not None:
+        key = "cpu_offload_param" if zero.get("cpu_offload_param") is not None else "offload_param"
         raise TensorShardConfigError(
-            f"'zero_optimization.offload_param' (device {device!r}) is not supported with '{BLOCK}.enabled': "
+            f"'zero_optimization.{key}' (device {device!r}) is not supported with '{BLOCK}.enabled': "
             "parameter offload is a ZeRO stage 3 feature (ZeRO-1/2 keep every parameter on the accelerator); "
             "remove it"
         )
@@ -217,10 +235,19 @@ def _check_offload(zero: Mapping[str, Any]) -> None:
             "'zero_optimization.compute_grad_norm' false is not supported with 'zero_optimization.offload_optimizer' "
             "(stock DeepSpeed refuses it too); remove one of them"
         )
-    if zero.get("cpu_offload"):
-        raise TensorShardConfigError(
-            f"'zero_optimization.cpu_offload' (DeepSpeed's deprecated spelling) is not supported with "
-            f"'{BLOCK}.enabled'; write 'offload_optimizer': {{\"device\": \"cpu\"}} instead"
+
+
+STOCK_ALIGNMENT = 2  # stock ZeRO-1/2's nccl_start_alignment_factor: 4-byte all-gather buffers of 2-byte elements
+
+
+def _refuse_as_stock(zero: Mapping[str, Any]) -> None:
+    """What stock ZeRO-1/2's constructor asserts about its own keys, refused with stock's message."""
+    size = zero.get("allgather_bucket_size")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and int(size) % STOCK_ALIGNMENT != 0:
+        raise RefusedAsStock(
+            f"'zero_optimization.allgather_bucket_size' {size!r}: allgather_bucket_size must be a multiple of "
+            f"nccl_start_alignment_factor, {STOCK_ALIGNMENT} (stock DeepSpeed's ZeRO-1/2 refuses it too, though "
+            "ds_tensorshard does not use the key); use an even number"
         )
 
 
@@ -268,20 +295,6 @@ UNFOLLOWED_KEYS: tuple[tuple[str, tuple[int, ...], Callable[[Mapping[str, Any], 
         lambda config, zero: _block(config, "fp16").get("fp16_master_weights_and_grads"),
         "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner (stock allows fp16 ones only with "
         "ZeRO-Offload, where ds_tensorshard keeps them in fp32 too); remove it",
-    ),
-    (
-        "bf16.bf16_master_weights_and_grads",
-        (0, 18, 3),
-        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_master_weights_and_grads"),
-        "ds_tensorshard keeps fp32 masters and gradients on each tensor's owner, where stock ZeRO would keep them "
-        "in bf16; remove it (and bf16_optimizer_states) to train with fp32 masters, or disable 'tensorshard.enabled'",
-    ),
-    (
-        "bf16.bf16_optimizer_states",
-        (0, 18, 3),
-        lambda config, zero: _block(config, "bf16", "bfloat16").get("bf16_optimizer_states"),
-        "ds_tensorshard keeps the inner optimizer's state in fp32, where stock ZeRO would keep it in bf16; remove "
-        "it, or disable 'tensorshard.enabled'",
     ),
     (
         "zero_optimization.zenflow",
@@ -401,7 +414,8 @@ def _runs_as_stock(why: str) -> None:
 def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]) -> None:
     """Refuse the parallel layouts ds_tensorshard does not support, naming them, before anything is built.
 
-    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style), pipeline
+    Supported: data parallelism, tensor parallelism through an ``mpu`` (Megatron-style) or DeepSpeed's AutoTP
+    (``tensor_parallel.autotp_size``, whose engine sets its own ``mpu``), pipeline
     parallelism (a ``PipelineModule``, ZeRO stage 1 as stock allows), Ulysses sequence parallelism
     through an ``mpu``, and DeepSpeed MoE layers (expert parallelism) with data parallelism alone."""
     from deepspeed.pipe import PipelineModule
@@ -425,12 +439,6 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
             "parallelism) is not supported by ds_tensorshard; give deepspeed.initialize an mpu with sequence-parallel "
             "groups instead (Megatron-DeepSpeed style, tested with Ulysses DistributedAttention)"
         )
-    autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0)
-    if autotp and autotp > 1:
-        raise TensorShardConfigError(
-            f"'tensor_parallel.autotp_size' {autotp} (DeepSpeed AutoTP) is not supported by "
-            "ds_tensorshard; pass a Megatron-style mpu to deepspeed.initialize instead"
-        )
     expert = next((name for name, p in model.named_parameters() if getattr(p, "allreduce", True) is False), None)
     if expert is not None:
         _check_moe_layout(expert, isinstance(model, PipelineModule), mpu, param_dict)
@@ -446,13 +454,15 @@ def _check_moe_layout(expert: str, pipeline: bool, mpu: Any, param_dict: Mapping
             f"{where} in a PipelineModule: MoE with pipeline parallelism is not supported by ds_tensorshard; "
             f"disable '{BLOCK}.enabled' for this model"
         )
-    if mpu is not None:
+    autotp = (param_dict.get("tensor_parallel") or {}).get("autotp_size", 0) or 0
+    if mpu is not None or autotp > 1:
+        given = "an mpu" if mpu is not None else f"'tensor_parallel.autotp_size' {autotp}"
         raise TensorShardConfigError(
-            f"{where} with an mpu: MoE with tensor or sequence parallelism is not supported by ds_tensorshard "
+            f"{where} with {given}: MoE with tensor or sequence parallelism is not supported by ds_tensorshard "
             "(only data and expert parallelism); initialize without the mpu or disable "
             f"'{BLOCK}.enabled'"
         )
-    if (zero.get("offload_optimizer") or {}).get("device") not in (None, "none"):
+    if _offload_device(_offload_block(zero, "offload_optimizer")) is not None:
         raise TensorShardConfigError(
             f"{where} with 'zero_optimization.offload_optimizer': MoE with ZeRO-Offload is not supported by "
             "ds_tensorshard; remove the block or disable "

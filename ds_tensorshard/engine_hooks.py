@@ -10,14 +10,16 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
 - ``compile``: refuse ``compiled_autograd_enabled``, an argument initialize cannot see;
 - ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoints.hooks`;
-- ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): refused, naming what to use instead.
+- ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): stock's, but refused where stock's would meet
+  BF16_Optimizer; ``_flush_coalesced_reduction_zero12``, its flush: ds_tensorshard's (:mod:`.coalesce`).
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
 ``deepspeed.utils.zero_to_fp32`` to ds_tensorshard's converter for ds_tensorshard folders
-(:mod:`.checkpoints.stock_tools`; stock folders still go to DeepSpeed's code).
+(:mod:`.checkpoints.fp32_reader`; stock folders still go to DeepSpeed's code).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -30,6 +32,7 @@ from deepspeed.utils import log_dist
 
 from ds_tensorshard.checkpoints import fp32_reader
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
+from ds_tensorshard.coalesce import stock_refusal
 from ds_tensorshard.config import (
     TensorShardConfig,
     elastic_store_warning,
@@ -37,7 +40,7 @@ from ds_tensorshard.config import (
     validate_parallel_layout,
 )
 from ds_tensorshard.datapath.inner_optimizer import check_supported
-from ds_tensorshard.errors import PeerLost, TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.errors import CallRefusedAsStock, PeerLost, TensorShardConfigError
 from ds_tensorshard.full_tensors import attach
 from ds_tensorshard.transports import elastic_store, shutdown
 
@@ -123,16 +126,25 @@ def _wrap_configure_zero(original):
 
 def _wrap_coalesce(original):
     @functools.wraps(original)
+    @contextlib.contextmanager
     def coalesce_grad_reduction(self):
-        if _enabled_config(self) is not None:
-            raise TensorShardUsageError(
-                "engine.coalesce_grad_reduction() is not supported by ds_tensorshard (its flush drives stock ZeRO's "
-                "own buckets); to step after several backwards, use gradient_accumulation_steps, or "
-                "'managed_gradient_accumulation': false (step() after any number of backwards, as stock)"
-            )
-        return original(self)
+        refusal = stock_refusal(self) if _enabled_config(self) is not None else None
+        if refusal is not None:
+            raise CallRefusedAsStock(refusal)
+        with original(self):
+            yield
 
     return coalesce_grad_reduction
+
+
+def _wrap_flush(original):
+    @functools.wraps(original)
+    def _flush_coalesced_reduction_zero12(self, optimizer):
+        if _enabled_config(self) is None:
+            return original(self, optimizer)
+        optimizer.flush_coalesced_reduction()
+
+    return _flush_coalesced_reduction_zero12
 
 
 def _wrap_compile(original):
@@ -161,8 +173,10 @@ _WRAPPERS = {
     "load_checkpoint": wrap_load_checkpoint,
     "_load_zero_checkpoint": wrap_load_zero_checkpoint,
     "coalesce_grad_reduction": _wrap_coalesce,
+    "_flush_coalesced_reduction_zero12": _wrap_flush,
 }
-_OPTIONAL = {"coalesce_grad_reduction", "compile"}  # engine methods that older DeepSpeed releases do not have
+# engine methods that older DeepSpeed releases do not have
+_OPTIONAL = {"coalesce_grad_reduction", "_flush_coalesced_reduction_zero12", "compile"}
 
 
 def install() -> None:

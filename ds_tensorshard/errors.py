@@ -7,6 +7,11 @@ class TensorShardConfigError(ValueError):
     """A DeepSpeed config (or a model, optimizer or call) that ds_tensorshard cannot run; names the key."""
 
 
+class RefusedAsStock(TensorShardConfigError, AssertionError):
+    """A config stock ZeRO-1/2 refuses with an ``assert`` in its constructor (which ds_tensorshard replaces):
+    refused at ``deepspeed.initialize`` with stock's own message, and an ``AssertionError`` too, as stock's is."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded or written; the message names the file or tensor."""
 
@@ -39,6 +44,11 @@ class ModelSourceError(ValueError):
 
 class TensorShardUsageError(RuntimeError):
     """A use of the engine that ds_tensorshard cannot follow as stock does; names the parameter and the fix."""
+
+
+class CallRefusedAsStock(TensorShardUsageError, NotImplementedError):
+    """A call stock refuses with ``NotImplementedError`` for this engine (``engine.coalesce_grad_reduction()`` where
+    stock would use BF16_Optimizer): refused with stock's message, and a ``NotImplementedError`` too, as stock's is."""
 
 
 class TensorAccessError(ValueError):

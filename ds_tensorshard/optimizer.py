@@ -24,6 +24,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
+from ds_tensorshard.coalesce import CoalesceMethods
 from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
 from ds_tensorshard.datapath.backward_check import BackwardCheck
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
@@ -49,6 +50,7 @@ from ds_tensorshard.datapath.norm import (
 from ds_tensorshard.datapath.offload import StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.datapath.precision import master_dtype
 from ds_tensorshard.datapath.reduce import Averaging, autocast_comm_dtypes
 from ds_tensorshard.datapath.reducers import reductions_done, start_reducers
 from ds_tensorshard.datapath.update import OwnedShard
@@ -56,7 +58,7 @@ from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
 
 
-class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
+class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
     """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
 
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
@@ -160,7 +162,8 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
     def _own_tensors(self, engine: DeepSpeedEngine, eager_state: bool) -> None:
-        """fp32 masters (and the inner optimizer's state) for this rank's blocks only."""
+        """Masters (fp32, or bf16 as :mod:`~ds_tensorshard.datapath.precision` says) and the inner optimizer's
+        state for this rank's blocks only."""
         owned = [
             [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
             for group, domain in zip(self.bit16_groups, (self.domains[d] for d in self.group_domains))
@@ -168,9 +171,12 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted)
+        dtype = master_dtype(engine, self.optimizer)
+        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(self.shard, self.params)
+        self.offload = StateOffload(
+            self.shard, self.params, lambda: [b for domain in self.domains.values() for b in domain.reducer.buckets]
+        )
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
@@ -179,7 +185,10 @@ class TensorShardOptimizer(CheckpointMethods, ZeROOptimizer):
         self.intake = GradientIntake(
             self.params,
             self.names,
-            lambda: not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline),
+            lambda: (
+                not self._coalesce_grad_reduction
+                and (not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline))
+            ),
             self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
         )
         dense = self.domains[DENSE]

@@ -27,6 +27,7 @@ from ds_tensorshard.bench.worker import (
     CONFIGS,
     LAYOUT_CONFIGS,
     LORA_RANK,
+    MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
     TWO_MODEL_CONFIGS,
@@ -45,6 +46,8 @@ LABELS = {
     "zero2_offload": "stock ZeRO-2 + offload",
     "ts_offload": "ds_tensorshard + offload (torch)",
     "ts_offload_mpi": "ds_tensorshard + offload (mpi)",
+    "zero2_bf16_masters": "stock ZeRO-2, bf16 masters and states",
+    "ts_bf16_masters": "ds_tensorshard, bf16 masters and states",
     "ts_torch_windows": "ds_tensorshard (torch), windows",
     "ts_torch_stripes": "ds_tensorshard (torch), stripes",
     "ts_mpi_windows": "ds_tensorshard (mpi), windows",
@@ -176,16 +179,17 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
-        "opt. state fullest rank MiB | fullest / ideal | sent/rank/step MiB | ATen ops/step | host syncs/step |",
-        "|---" * 13 + "|",
+        "opt. state fullest rank MiB | fullest / ideal | opt. state bytes/param | sent/rank/step MiB | ATen ops/step | "
+        "host syncs/step |",
+        "|---" * 14 + "|",
     ]
     for r in results:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
             f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
-            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {mib(r['sent_bytes_per_rank'])} | "
-            f"{r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
+            f"{r['optimizer_state_fullest_over_ideal']:.4f} | {r['optimizer_state_bytes_total'] / r['numel']:.2f} | "
+            f"{mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
     lines += [
         "",
@@ -257,10 +261,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + OFFLOAD_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS,
-        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)} and the "
-        f"explicit bucket layouts {', '.join(LAYOUT_CONFIGS)}) or two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), "
-        "not both in one run",
+        choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS,
+        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}, the bf16 "
+        f"masters' {', '.join(MASTER_CONFIGS)} and the explicit bucket layouts {', '.join(LAYOUT_CONFIGS)}) or "
+        f"two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
     add_run_arguments(parser)
@@ -277,6 +281,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"--optimizer {args.optimizer} runs the one-model DeepSpeed configurations only "
                 "(not ddp_zero or the two-model ones)"
             )
+    if set(MASTER_CONFIGS) & set(args.configs) and args.dtype != "bf16":
+        raise SystemExit(f"--configs {' '.join(MASTER_CONFIGS)}: bf16 master weights need --dtype bf16")
     if len({c in TWO_MODEL_CONFIGS for c in args.configs}) > 1:
         raise SystemExit(
             "--configs: one-model and two-model configurations are compared in separate runs "

@@ -37,9 +37,20 @@ CONFIGS = ("stage0", "zero1", "zero2", "ddp_zero", "fsdp2", "ts_torch", "ts_mpi"
 TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 # ZeRO-Offload (offload_optimizer cpu, pinned): stock ZeRO-2's and ds_tensorshard's (torch and mpi transports)
 OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
+# bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
+MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
 # ds_tensorshard with each bucket_layout set explicitly (ts_torch and ts_mpi take the default, "auto")
 LAYOUT_CONFIGS = ("ts_torch_windows", "ts_torch_stripes", "ts_mpi_windows", "ts_mpi_stripes")
-SHARDED = ("ts_torch", "ts_mpi", "ts_offload", "ts_offload_mpi", "two_ts_separate", "two_ts_joint", *LAYOUT_CONFIGS)
+SHARDED = (
+    "ts_torch",
+    "ts_mpi",
+    "ts_offload",
+    "ts_offload_mpi",
+    "two_ts_separate",
+    "two_ts_joint",
+    "ts_bf16_masters",
+    *LAYOUT_CONFIGS,
+)  # ds_tensorshard's
 MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes")
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
@@ -159,6 +170,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if name in MASTER_CONFIGS:
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     if name in OFFLOAD_CONFIGS:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
@@ -181,7 +194,7 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
         tensors = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         if name in SHARDED:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
-        elif name in ("zero1", "zero2", "zero2_offload", "two_zero2"):
+        elif name in ("zero1", "zero2", "zero2_offload", "two_zero2", "zero2_bf16_masters"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
@@ -414,7 +427,9 @@ def count_step(setup: Setup, tokens: torch.Tensor) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config", choices=CONFIGS + OFFLOAD_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS)
+    parser.add_argument(
+        "config", choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS
+    )
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)

@@ -293,18 +293,22 @@ class ZeroSource(CheckpointSource):
             self.group_names.append(names)
 
     def _flat_range(self, g: int, start: int, numel: int, ranks: list[int], pick) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32, device="cpu")
+        """Elements ``start:start+numel`` of group ``g``'s flat buffer (``pick`` from a rank's file), in its saved
+        dtype (fp32; bf16 with stock's bf16_master_weights_and_grads and bf16_optimizer_states)."""
+        out: torch.Tensor | None = None
         rank_start = 0
         for rank in ranks:
             size = self.sizes[rank][g]
             lo, hi = max(start, rank_start), min(start + numel, rank_start + size)
             if lo < hi:
                 flat = pick(files.load(self.paths[rank])["optimizer_state_dict"], g)
+                if out is None:
+                    out = torch.empty(numel, dtype=flat.dtype, device="cpu")
                 out[lo - start : hi - start].copy_(flat[lo - rank_start : hi - rank_start])
             rank_start += size
         if start + numel > rank_start:
             raise CheckpointError(f"the flat buffers of checkpoint {self.folder} are shorter than its param_shapes")
-        return out
+        return out if out is not None else torch.empty(0, dtype=torch.float32, device="cpu")  # a 0-element tensor
 
     def tensor(self, name: str) -> TensorState:
         g, start, ranks = self.offsets[name]

@@ -28,6 +28,10 @@ class AdamLists:
         """Whether ``optimizer`` is DeepSpeed's FusedAdam itself (not a subclass, whose step may differ)."""
         return type(optimizer) is FusedAdam
 
+    def forget(self) -> None:
+        """Drop the lists (their tensors moved): made again at the next step."""
+        self._lists.clear()
+
     def _lists_of(self, index: int, group: dict) -> list[list[torch.Tensor]]:
         """The group's lists (gradients, masters, first and second moments), made again when any of them is
         another tensor than when they were made (a master replaced, a state loaded)."""

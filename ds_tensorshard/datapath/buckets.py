@@ -111,6 +111,10 @@ class Bucket:
             cached = self._views[segment.owner] = (storages, [piece.of(piece.param.data) for piece in segment.pieces])
         return cached[1]
 
+    def forget_views(self) -> None:
+        """Drop the views made of the model's tensors (they moved: the views would keep the old memory)."""
+        self._views.clear()
+
     def pieces(self) -> Iterator[Piece]:
         for segment in self.segments:
             yield from segment.pieces

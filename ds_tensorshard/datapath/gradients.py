@@ -8,6 +8,9 @@ norm's sums are the same with offload and without. A reduced bucket segment is a
 multi-tensor add over views of its pieces, made once. The step's fp32 gradients are views fixed at start-up (of
 the buffer itself, or of one fp32 buffer it is cast into at the step): the step's work is per buffer, not per
 tensor: a cast, the norm's chunked fp64 dots, one multiply to unscale and clip, one zeroing after the update.
+With bf16 masters (``bf16.bf16_master_weights_and_grads``) the step's gradients are in the wider of the
+accumulation and master dtypes, the norm's; where that is fp32, they are cast into a bf16 buffer, the masters'
+``.grad``, before the unscale (as stock casts its fp32 partition to its bf16 master's dtype after the norm).
 
 Example: group 0 owns ``a`` (6 elements) and ``b`` (4), both counted: its buffer is ``[a | b]``, 10 elements;
 a bucket's segment ``[b[0:2] | a[0:6]]`` is added into views ``buffer[6:8]`` and ``buffer[0:6]``.
@@ -44,7 +47,8 @@ class Section:
     group: int
     on_host: bool  # ZeRO-Offload's host memory (on a CPU-only machine the same memory: copies still made, counted)
     buffer: torch.Tensor  # in the accumulation dtype
-    step: torch.Tensor  # fp32: the buffer itself, or what it is cast into at the step
+    step: torch.Tensor  # the norm's dtype: the buffer itself, or what it is cast into at the step
+    grad: torch.Tensor  # the masters' dtype (their .grad): ``step``, or what it is cast into before the unscale
     offset: dict[torch.nn.Parameter, int] = field(default_factory=dict)
     counted: int = 0  # elements of the tensors the norm counts (the first ones)
 
@@ -63,13 +67,17 @@ class OwnedGradients:
         device: torch.device,
         host: HostMemory | None,
         separate: set[torch.nn.Parameter],
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.blocks, self.host, self.accum_dtype, self.device = blocks, host, accum_dtype, device
+        self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
+        self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
         self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
         self.sections: list[Section] = []
         self.section_of: dict[torch.nn.Parameter, Section] = {}
         self._segments: dict[int, tuple[Segment, list[torch.Tensor], list[int], list[bool]]] = {}  # made once
         self._step_views: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._master_views: dict[torch.nn.Parameter, torch.Tensor] = {}
         for group in sorted(set(group_of.values())):
             for kind in (False, True):  # the group's tensors, then its Muon matrices (``separate``)
                 params = [p for p in blocks if group_of[p] == group and (p in separate) == kind]
@@ -82,9 +90,9 @@ class OwnedGradients:
     ) -> None:
         total = sum(self.blocks[p].numel for p in params)
         buffer = self._zeros(total, self.accum_dtype, host)
-        section = Section(
-            group, host, buffer, buffer if buffer.dtype == torch.float32 else self._zeros(total, host=host)
-        )
+        step = buffer if buffer.dtype == self.step_dtype else self._zeros(total, self.step_dtype, host)
+        grad = step if step.dtype == self.master_dtype else self._zeros(total, self.master_dtype, host)
+        section = Section(group, host, buffer, step, grad)
         offset = 0
         for param in params:
             section.offset[param] = offset
@@ -111,6 +119,35 @@ class OwnedGradients:
         if step:
             self._step_views[param] = view
         return view
+
+    def master_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s block of the step's gradient in the masters' dtype (the master's ``.grad``), made once."""
+        if self.section_of[param].grad is self.section_of[param].step:
+            return self.view(param, step=True)
+        view = self._master_views.get(param)
+        if view is None:
+            section, block = self.section_of[param], self.blocks[param]
+            start = section.offset[param]
+            view = section.grad[start : start + block.numel].view(block_shape(param, block))
+            self._master_views[param] = view
+        return view
+
+    @torch.no_grad()
+    def narrow(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """The step's gradients cast into the masters' dtype where it is narrower (bf16 masters, fp32
+        accumulation): of every buffer once per step, or of ``params`` alone (an early update, before the whole
+        step's)."""
+        if self.narrowed:
+            return
+        if params is not None:
+            for param in params:
+                if self.section_of[param].grad is not self.section_of[param].step:
+                    self.master_view(param).copy_(self.view(param, step=True))
+            return
+        self.narrowed = True
+        for section in self.sections:
+            if section.grad is not section.step:
+                section.grad.copy_(section.step)
 
     def _destinations(self, segment: Segment) -> tuple[list[torch.Tensor], list[int], list[bool]]:
         """The buffer views a segment's pieces are added into, the pieces' sizes and whether each is kept in host
@@ -196,19 +233,22 @@ class OwnedGradients:
 
     @torch.no_grad()
     def scale(self, factor: float | torch.Tensor) -> None:
-        """Multiply every step gradient by ``factor``: once per buffer; a factor computed on the accelerator is
-        copied once to the host for the host's buffers (a device scalar cannot enter a host kernel)."""
+        """Multiply every step gradient (in the masters' dtype) by ``factor``: once per buffer; a factor computed
+        on the accelerator is copied once to the host for the host's buffers (a device scalar cannot enter a
+        host kernel)."""
+        self.narrow()
         copies: dict[torch.device, float | torch.Tensor] = {}
         for section in self.sections:
-            where = section.step.device
+            where = section.grad.device
             if where not in copies:
                 copies[where] = factor.to(where) if isinstance(factor, torch.Tensor) else factor
-            section.step.mul_(copies[where])
+            section.grad.mul_(copies[where])
 
     @torch.no_grad()
     def zero(self) -> None:
         """The step is done: the accumulation starts again from zero."""
         self.settle()
+        self.narrowed = False
         for section in self.sections:
             section.buffer.zero_()
 
@@ -216,11 +256,13 @@ class OwnedGradients:
         """The buffers to where ``moved`` puts them (``offload_states`` of ``lp_grads``); views are remade."""
         self.settle()
         for section in self.sections:
-            separate = section.step is not section.buffer
+            step_apart, grad_apart = section.step is not section.buffer, section.grad is not section.step
             section.buffer = moved(section.buffer)
-            section.step = moved(section.step) if separate else section.buffer
+            section.step = moved(section.step) if step_apart else section.buffer
+            section.grad = moved(section.grad) if grad_apart else section.step
         self._segments.clear()
         self._step_views.clear()
+        self._master_views.clear()
 
 
 def _add(views: list[torch.Tensor], reduced: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> None:

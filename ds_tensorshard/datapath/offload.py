@@ -19,12 +19,13 @@ that can be (``lp_params``, ``lp_grads``).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
+from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardUsageError
 
@@ -34,8 +35,10 @@ HOST_RESIDENT = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_stat
 class StateOffload:
     """Which states are off the device, and the moves that put them there and back."""
 
-    def __init__(self, shard: OwnedShard, params: Sequence[torch.nn.Parameter]) -> None:
-        self.shard, self.params = shard, list(params)
+    def __init__(
+        self, shard: OwnedShard, params: Sequence[torch.nn.Parameter], buckets: Callable[[], Iterable[Bucket]]
+    ) -> None:
+        self.shard, self.params, self.buckets = shard, list(params), buckets  # every domain's, as they are now
         self.offloaded: set[OffloadStateTypeEnum] = set()
 
     def offload(
@@ -87,6 +90,9 @@ class StateOffload:
                 for key, value in values.items():
                     if torch.is_tensor(value):
                         values[key] = moved(value)
+        shard.forget_views()
+        for bucket in self.buckets():
+            bucket.forget_views()
 
 
 def _moved(tensor: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking: bool) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Update: fp32 master copies and the inner optimizer, for owned tensors only.
+"""Update: master copies and the inner optimizer, for owned tensors only.
 
 A rank owns whole tensors, and at most one block (whole dim-0 rows) of each tensor the plan split.
-Masters are contiguous fp32 tensors (CPU FusedAdam silently skips non-contiguous ones): an fp32
-model's own contiguous tensor (or its block, a view), else a copy. Each param group of the inner
+Masters are contiguous fp32 tensors (bf16 with ``bf16_master_weights_and_grads``; CPU FusedAdam silently
+skips non-contiguous ones): the model's own contiguous tensor (or its block, a view) where it has the
+masters' dtype, else a copy. Each param group of the inner
 optimizer keeps its dict (hyper-parameters, scheduler links) and gets only this rank's masters as
 ``params``, so optimizer state is created for owned tensors alone. The reduced gradients are kept in flat
 buffers (:mod:`~ds_tensorshard.datapath.gradients`) whose fp32 views are the masters' ``.grad`` for good.
@@ -23,10 +24,12 @@ from ds_tensorshard.datapath.plan import Block
 
 
 class OwnedShard:
-    """The tensors (or blocks) a rank owns: fp32 masters, and their reduced gradients (``grads``).
+    """The tensors (or blocks) a rank owns: masters in ``master_dtype`` (fp32; bf16 with DeepSpeed's
+    ``bf16_master_weights_and_grads``, :mod:`~ds_tensorshard.datapath.precision`), and their reduced
+    gradients (``grads``).
 
     ``accum_dtype`` is DeepSpeed's gradient-accumulation dtype (``data_types.grad_accum_dtype``,
-    else the model dtype), as stock ZeRO-2 uses; gradients become fp32 when the step begins. With ``host``
+    else the model dtype), as stock ZeRO-2 uses; gradients take the masters' dtype when the step begins. With ``host``
     (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
     segment is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
     for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``,
@@ -41,8 +44,10 @@ class OwnedShard:
         device: torch.device,
         host: HostMemory | None = None,
         counted: Callable[[torch.nn.Parameter], bool] = lambda p: True,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.optimizer = optimizer
+        self.master_dtype = master_dtype  # bf16 with bf16_master_weights_and_grads (datapath/precision.py)
         self.device = device
         self.host = host
         self.accum_dtype = accum_dtype
@@ -59,12 +64,12 @@ class OwnedShard:
             for param, block in owned:
                 own = param.detach().view(-1)[block.start : block.stop].view(block_shape(param, block))
                 if host is not None:
-                    master = host.fetch(own, torch.float32)
-                elif param.dtype == torch.float32:
-                    master = own  # an fp32 model's own tensor (block) serves as the master: no second copy
+                    master = host.fetch(own, master_dtype)
+                elif param.dtype == master_dtype:
+                    master = own  # the model's own tensor (block) serves as the master: no second copy
                     self.views.add(param)
                 else:
-                    master = own.to(dtype=torch.float32, copy=True)
+                    master = own.to(dtype=master_dtype, copy=True)
                 self.blocks[param] = block
                 self.masters[param] = master
                 self.group_of[param] = g
@@ -72,13 +77,12 @@ class OwnedShard:
             group["params"] = masters
         self.on_device &= self.masters.keys()
         self.grads = OwnedGradients(
-            self.blocks, self.group_of, counted, accum_dtype, device, host, matrices & self.masters.keys()
+            self.blocks, self.group_of, counted, accum_dtype, device, host, matrices & self.masters.keys(), master_dtype
         )
-        for param, master in self.masters.items():
-            if param not in self.on_device:  # a Muon matrix's is lent at its update
-                master.grad = self.grads.view(param, step=True)
+        self.attach_grads()  # a Muon matrix's (on_device) is lent at its update
         self._own_views: dict[torch.nn.Parameter, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
-        self._adam = AdamLists(optimizer) if AdamLists.applies(optimizer) else None  # FusedAdam, lists made once
+        fp32 = master_dtype == torch.float32
+        self._adam = AdamLists(optimizer) if fp32 and AdamLists.applies(optimizer) else None  # lists made once
 
     def is_whole(self, param: torch.nn.Parameter) -> bool:
         return self.blocks[param].numel == param.numel()
@@ -95,7 +99,8 @@ class OwnedShard:
         self.grads.to_step()
 
     def step_gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The step's fp32 gradient of an owned ``param`` (once the step began), where it is kept."""
+        """The step's gradient of an owned ``param`` (once the step began; fp32, or bf16 for bf16 masters with bf16
+        accumulation: the norm's), where it is kept."""
         return self.grads.view(param, step=True)
 
     @torch.no_grad()
@@ -117,6 +122,7 @@ class OwnedShard:
             self.grads.to_step(todo)
             self.update(todo, keep_grads=True)
             return
+        self.grads.narrow()
         if not self.stepped and not self.on_device:
             self._adam.step() if self._adam is not None else self.optimizer.step()
         elif todo:
@@ -131,6 +137,7 @@ class OwnedShard:
         steps per tensor (DeepSpeed's CPU optimizers, torch's), as ZeRO-Offload's are. ``keep_grads``: an early
         update, before the norm: the gradients kept on the device are left as they are for it."""
         if params:
+            self.grads.narrow(params)
             self._step_only(params, keep_grads)
             self.stepped.update(params)
             self._write_back(params)
@@ -184,6 +191,7 @@ class OwnedShard:
         the tensor it was a view of, and so the memory the move was to free."""
         for param in self.views:
             self._replace_master(param, self._own(param).view(self.masters[param].shape))
+        self.attach_grads()
 
     def separate_master(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The master of an owned ``param``, first made a tensor of its own where it is an fp32 model's own
@@ -199,7 +207,8 @@ class OwnedShard:
         """``new`` becomes ``param``'s master everywhere the old one was: here, its param group, the optimizer's
         state; it takes over the gradient."""
         master = self.masters[param]
-        new.grad = master.grad
+        if master.grad is not None and master.grad.device == new.device:
+            new.grad = master.grad
         group = self.optimizer.param_groups[self.group_of[param]]["params"]
         group[next(i for i, m in enumerate(group) if m is master)] = new
         if master in self.optimizer.state:
@@ -237,9 +246,22 @@ class OwnedShard:
     def move_grads(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The gradient buffers to where ``moved`` puts them (``offload_states``), the masters' views with them."""
         self.grads.move(moved)
+        self.attach_grads()
+
+    def forget_views(self) -> None:
+        """Drop the views and lists made once of the model's tensors, masters and state (they moved: kept, the
+        views would keep the memory the move was to free)."""
+        self._own_views.clear()
+        if self._adam is not None:
+            self._adam.forget()
+
+    def attach_grads(self) -> None:
+        """Each master's ``.grad`` is its view of the step gradients where both are on one device; while
+        ``offload_states`` keeps them apart (one moved, not the other), none: reloaded, the views come back."""
         for param, master in self.masters.items():
             if param not in self.on_device:
-                master.grad = self.grads.view(param, step=True)
+                grad = self.grads.master_view(param)
+                master.grad = grad if grad.device == master.device else None
 
     def drop_grads(self) -> None:
         """The step's gradients are used (or skipped): accumulate the next step's from zero."""

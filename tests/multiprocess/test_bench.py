@@ -201,3 +201,20 @@ def test_bench_offload_rows_count_host_traffic(tmp_path):
     for ours in (results["ts_offload"], results["ts_offload_mpi"]):
         assert ours["optimizer_state_bytes_fullest"] <= 1.05 * ours["optimizer_state_bytes_total"] / 2 + 8 * 4096
     assert "ZeRO-Offload, bytes between the accelerator and host memory" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.extended
+def test_bench_bf16_master_rows_report_bytes_per_parameter(tmp_path):
+    """bf16.bf16_master_weights_and_grads and bf16_optimizer_states: stock ZeRO-2 keeps a bf16 master copy and bf16
+    moments (6 bytes of optimizer state per parameter, against 12 with fp32 ones); ds_tensorshard's masters are the
+    model's own bf16 tensors (4 bytes: the moments). Both train as stock ZeRO-2 does without the keys here."""
+    configs = ("zero2", "zero2_bf16_masters", "ts_bf16_masters")
+    proc = bench(*TINY, "--dtype", "bf16", "--configs", *configs, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    per_param = {name: r["optimizer_state_bytes_total"] / r["numel"] for name, r in results.items()}
+    assert per_param == {"zero2": 12.0, "zero2_bf16_masters": 6.0, "ts_bf16_masters": 4.0}
+    assert results["ts_bf16_masters"]["losses"] == results["zero2_bf16_masters"]["losses"]
+    assert "opt. state bytes/param" in (tmp_path / "results.md").read_text()
+    refused = bench(*TINY, "--configs", "ts_bf16_masters", "--out", str(tmp_path / "fp32"))
+    assert refused.returncode != 0 and "bf16 master weights need --dtype bf16" in refused.stdout + refused.stderr

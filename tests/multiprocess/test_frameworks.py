@@ -14,7 +14,6 @@ The first run installs the ``frameworks`` extra into this venv when it is missin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import torch
 from tests.helpers import ROOT
 from tests.helpers.compare import ACROSS_WORLDS
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
+from tests.helpers.venvs import ensure_frameworks
 
 pytestmark = pytest.mark.frameworks
 BIN = os.path.dirname(sys.executable)
@@ -38,19 +38,7 @@ FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["pa
 
 @pytest.fixture(scope="module", autouse=True)
 def frameworks_installed():
-    missing = [
-        m for m in ("transformers", "accelerate", "lightning", "trl", "peft") if importlib.util.find_spec(m) is None
-    ]
-    if missing:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[frameworks]"], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            from tests.helpers.venvs import UNREACHABLE
-
-            if any(word in proc.stdout + proc.stderr for word in UNREACHABLE):
-                pytest.skip(f"cannot install {missing}: the package registry is unreachable")
-            raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    ensure_frameworks()
 
 
 def assert_same_run(ours: dict, reference: dict, where: str, steps=None) -> tuple[float, float]:

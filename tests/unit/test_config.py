@@ -6,6 +6,7 @@ import re
 import deepspeed
 import pytest
 import torch
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_full_grad
 
@@ -61,7 +62,11 @@ BAD = [
     ),
     ({"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}, "'zero_optimization.offload_param'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "is a ZeRO stage 3 feature"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'zero_optimization.cpu_offload'"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload_param": True}}, "'zero_optimization.cpu_offload_param'"),
+    (
+        {"zero_optimization": {"stage": 1, "allgather_bucket_size": 1001}},
+        "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, 2",
+    ),
     (
         {
             "zero_optimization": {"stage": 2, "compute_grad_norm": False, "offload_optimizer": {"device": "cpu"}},
@@ -286,6 +291,39 @@ def test_bad_environment_switch_is_refused_naming_the_variable(switch, keys, mes
     with pytest.raises(TensorShardConfigError) as err:
         initialize(config)
     assert message in str(err.value)
+
+
+def test_odd_allgather_bucket_size_is_refused_as_stock_refuses_it():
+    """Stock's ZeRO-1/2 constructor asserts it (DeepSpeed's test_zero.py expects that AssertionError); ds_tensorshard,
+    which does not use the key, refuses it at initialize with stock's message and exception type."""
+    with pytest.raises(AssertionError, match="allgather_bucket_size must be a multiple of nccl_start_alignment"):
+        initialize(base_config(zero_optimization={"stage": 2, "allgather_bucket_size": 1001}))
+    _, _, opt = initialize(base_config(zero_optimization={"stage": 2, "allgather_bucket_size": 1000}))
+    assert isinstance(opt, ds_tensorshard.TensorShardOptimizer)
+
+
+@pytest.mark.parametrize(
+    "zero",
+    [
+        {"stage": 2, "offload_optimizer": {"device": OffloadDeviceEnum.cpu}},  # as DeepSpeed's own tests write it
+        {"stage": 1, "offload_optimizer": {"device": OffloadDeviceEnum.cpu, "pin_memory": False}},
+        {"stage": 2, "cpu_offload": True},  # deprecated; stock reads it as offload_optimizer device cpu
+    ],
+)
+def test_offload_spelled_as_deepspeed_allows_is_followed(zero):
+    """DeepSpeed's OffloadDeviceEnum (a str enum: str() of it is 'OffloadDeviceEnum.cpu' on Python 3.11) and the
+    deprecated ``cpu_offload: true`` both mean ZeRO-Offload, as for stock: the owners' masters are host copies."""
+    _, engine, opt = initialize(base_config(zero_optimization=zero))
+    assert isinstance(opt, ds_tensorshard.TensorShardOptimizer) and engine.zero_cpu_offload()
+    assert opt.host is not None and type(opt.optimizer).__name__ == "DeepSpeedCPUAdam"
+
+
+@pytest.mark.parametrize(
+    "zero", [{"stage": 2, "cpu_offload": False}, {"stage": 2, "offload_optimizer": {"device": OffloadDeviceEnum.none}}]
+)
+def test_offload_turned_off_as_deepspeed_allows_keeps_masters_on_the_device(zero):
+    _, engine, opt = initialize(base_config(zero_optimization=zero))
+    assert not engine.zero_cpu_offload() and opt.host is None
 
 
 OFFLOADED = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}

@@ -69,15 +69,6 @@ def test_device_mesh_sequence_parallelism_is_refused():
         validate_parallel_layout(torch.nn.Linear(4, 4), None, config)
 
 
-@pytest.mark.usefixtures("single_rank_world")
-def test_autotp_is_refused():
-    _refused(
-        torch.nn.Linear(4, 4),
-        {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}},
-        "'tensor_parallel.autotp_size' 2",
-    )
-
-
 class WithExperts(torch.nn.Module):
     """A DeepSpeed MoE layer of two experts (expert parallel size 1)."""
 
@@ -107,6 +98,12 @@ def test_moe_with_an_mpu_is_refused():
     from tests.helpers.tp_model import ToyMpu
 
     _refused(WithExperts(), {"zero_optimization": {"stage": 2}}, EXPERT + r".* with an mpu", mpu=ToyMpu(1))
+
+
+@pytest.mark.usefixtures("single_rank_world")
+def test_moe_with_autotp_is_refused():
+    config = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}}
+    _refused(WithExperts(), config, EXPERT + r".* with 'tensor_parallel.autotp_size' 2: MoE with tensor")
 
 
 @pytest.mark.usefixtures("single_rank_world")

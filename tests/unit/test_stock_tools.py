@@ -25,6 +25,7 @@ from ds_tensorshard.checkpoints.convert import convert
 from ds_tensorshard.checkpoints.sources import open_checkpoint
 from tests.helpers.one_rank import make_engine, train, train_and_save
 from tests.helpers.tiny_gpt import TinyGPT
+from tests.helpers.venvs import ensure_frameworks
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -82,8 +83,9 @@ def test_a_stock_folder_still_goes_to_deepspeeds_code(saves):
         assert set(ours) == set(through_wrapper)  # stock's choice of entries, frozen ones left out alike
 
 
+@pytest.mark.frameworks  # Lightning comes with the frameworks tier's extra
 def test_lightning_converter(saves, tmp_path):
-    pytest.importorskip("lightning")
+    ensure_frameworks()
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     written = convert_zero_checkpoint_to_fp32_state_dict(str(saves["ts"]), str(tmp_path / "lightning.pt"))

@@ -72,8 +72,29 @@ TWO_RANK = {
 # clipping, bf16 without the overflow check; before the autocast scenarios (see above): they run after them
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 EARLY = {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflow": False}}
+# bf16.bf16_master_weights_and_grads and bf16_optimizer_states (DeepSpeed 0.18.3): tests/multiprocess/test_precision.py
+MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
+STATES = {**MASTERS, "bf16_optimizer_states": True}
+ACCUM_FP32 = {"data_types": {"grad_accum_dtype": "fp32"}}
+CLIP = {"gradient_clipping": 0.3}  # below the norms: the clip factor applies, to bf16 gradients here
+PRECISION = {
+    "bf16_masters_states_stage1": ("bf16", 1, 2, 5, {"bf16": STATES}, {}),
+    "bf16_masters_states_stage2": ("bf16", 2, 2, 5, {"bf16": STATES, **CLIP}, {}),
+    "bf16_masters_offload_stage1": ("bf16", 1, 2, 5, {"bf16": MASTERS, **CLIP}, OFFLOAD),
+    "bf16_masters_offload_stage2": ("bf16", 2, 2, 5, {"bf16": MASTERS}, OFFLOAD),
+    "bf16_masters_states_offload_stage2": ("bf16", 2, 2, 5, {"bf16": STATES, **CLIP}, OFFLOAD),
+    "bf16_masters_accum_fp32_stage2": ("bf16", 2, 2, 5, {"bf16": STATES, **CLIP, **ACCUM_FP32}, {}),
+    "bf16_masters_accum_fp32_offload_stage1": ("bf16", 1, 2, 5, {"bf16": MASTERS, **CLIP, **ACCUM_FP32}, OFFLOAD),
+}
+# engine.coalesce_grad_reduction(): COALESCED backwards in one block, one step() after it (gradient_accumulation_steps
+# 1, the boundary set on the block's last backward, as DeepSpeed's own tests do)
+COALESCED = 3
+SCENARIOS["coalesce_stage2"] = ("fp32", 2, 1, 4, {}, {})
 TWO_RANK = {
     **{k: v for k, v in TWO_RANK.items() if not k.startswith("autocast")},
+    "coalesce_fp32_stage1": ("fp32", 1, 1, 4, {}, {}),
+    "coalesce_bf16_stage2": ("bf16", 2, 1, 4, {}, {}),
+    "coalesce_offload_stage2": ("fp32", 2, 1, 4, {}, OFFLOAD),
     "offload_early_bf16_stage2": ("bf16", 2, 2, 5, EARLY, OFFLOAD),
     **{k: v for k, v in TWO_RANK.items() if k.startswith("autocast")},
 }
@@ -91,7 +112,7 @@ class WithEmptyParameter(TinyGPT):
 
 def run_case(case: str, out_dir: str) -> None:
     scenario, mode = case.split(":")
-    dtype, stage, gas, steps, top, zero = {**SCENARIOS, **TWO_RANK, **TWO_RANK_EXTENDED}[scenario]
+    dtype, stage, gas, steps, top, zero = {**SCENARIOS, **TWO_RANK, **TWO_RANK_EXTENDED, **PRECISION}[scenario]
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     config = ds_config(dtype, mode, stage, world)
     config.update(gradient_accumulation_steps=gas, train_batch_size=MICRO_BATCH * gas * world, **top)
@@ -111,6 +132,17 @@ def run_case(case: str, out_dir: str) -> None:
     losses, norms, scales = [], [], []
     micro = 0
     for step in range(steps):
+        if scenario.startswith("coalesce"):  # the block's backwards reduce nothing; its exit reduces their sum once
+            with engine.coalesce_grad_reduction():
+                for g in range(COALESCED):
+                    loss = engine(batch(rank, micro).to(engine.device))
+                    engine.set_gradient_accumulation_boundary(g == COALESCED - 1)
+                    engine.backward(loss)
+                    losses.append(loss.item())
+                    micro += 1
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm() or 0.0))
+            continue
         if scenario == "no_sync_stage1":  # two backwards without reduction, then one with it
             with engine.no_sync():
                 for _ in range(2):
@@ -148,6 +180,14 @@ def run_case(case: str, out_dir: str) -> None:
         # ds_tensorshard's early update: (reductions finished, buckets) when the first tensor was updated
         "first_update_at": getattr(getattr(optimizer, "early", None), "first_update_at", None),
         "inner_class": type(optimizer.optimizer).__name__,
+        "state_dtypes": sorted(
+            {
+                str(t.dtype)
+                for s in optimizer.optimizer.state.values()
+                for t in s.values()
+                if torch.is_tensor(t) and t.dim()
+            }
+        ),
     }
     torch.save(result, os.path.join(out_dir, f"{scenario}_{mode}.rank{rank}.pt"))
 

@@ -1,0 +1,56 @@
+"""The DeepSpeed-suite runner's forcing (launch/deepspeed_tests.sh): a script that never imports ds_tensorshard, run
+under the runner's site hook as DeepSpeed's test ranks are, gets ds_tensorshard's optimizer in the plugin run and
+stock's in the stock run, and each engine is recorded (tests/helpers/deepspeed_suite/events.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, WORKERS
+from tests.helpers.deepspeed_suite.events import EVENTS, MODE, read_from
+from tests.helpers.deepspeed_suite.run import SITE
+from tests.helpers.ranks import free_port, run_in_group
+
+
+def run(tmp_path, mode: str, *args: str) -> tuple[str, list[list[str]]]:
+    events = tmp_path / f"{mode}.events"
+    env = {k: v for k, v in os.environ.items() if k != "DS_TENSORSHARD"}
+    env.update(
+        PYTHONPATH=os.pathsep.join((SITE, ROOT)),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        **{MODE: mode, EVENTS: str(events)},
+        **({"DS_TENSORSHARD": "1"} if mode == "plugin" else {}),
+    )
+    done = run_in_group([sys.executable, os.path.join(WORKERS, "suite_engine_worker.py"), *args], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, [[r["kind"], r["detail"]] for r in read_from(str(events), 0)[0]]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_plugin_run_forces_ds_tensorshard_on_a_script_that_never_imports_it(tmp_path, stage):
+    out, events = run(tmp_path, "plugin", str(stage))
+    assert "optimizer: TensorShardOptimizer" in out
+    assert events == [["zero12", "TensorShardOptimizer"], ["engaged", str(stage)]]
+    out, events = run(tmp_path, "stock", str(stage))
+    assert "optimizer: DeepSpeedZeroOptimizer" in out
+    assert events == [["zero12", "DeepSpeedZeroOptimizer"]]
+
+
+def test_a_refusal_at_initialize_is_recorded_with_its_message(tmp_path):
+    out, events = run(tmp_path, "plugin", "2", "odd")
+    assert "refused: RefusedAsStock: 'zero_optimization.allgather_bucket_size' 1001" in out
+    assert [kind for kind, _ in events] == ["refused"] and "nccl_start_alignment_factor" in events[0][1]
+    out, events = run(tmp_path, "stock", "2", "odd")  # stock's own assertion, no ds_tensorshard record
+    assert "refused: AssertionError: allgather_bucket_size must be a multiple" in out and events == []
+
+
+def test_a_stage_0_engine_is_not_recorded(tmp_path):
+    out, events = run(tmp_path, "plugin", "0")
+    assert "optimizer: " in out and events == []
