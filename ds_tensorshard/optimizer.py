@@ -14,7 +14,6 @@ import functools
 from typing import Any
 
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -27,38 +26,27 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.coalesce import CoalesceMethods
 from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
 from ds_tensorshard.datapath.backward_check import BackwardCheck
-from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
+from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_domains, update_while_broadcasting
 from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
-from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains
+from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains, owned_blocks
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
-from ds_tensorshard.datapath.norm import (
-    Decision,
-    NormRules,
-    check_steps,
-    counted_in_norm,
-    decide,
-    expert_norm_averaging,
-    global_norm,
-    loss_scaler_of,
-    read_on_host,
-    sum_over_ranks,
-)
-from ds_tensorshard.datapath.offload import StateOffload
+from ds_tensorshard.datapath.norm import Decision, NormRules, counted_in_norm, decide, loss_scaler_of, norm_over_ranks
+from ds_tensorshard.datapath.offload import OffloadMethods, StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.precision import master_dtype
 from ds_tensorshard.datapath.reduce import Averaging, autocast_comm_dtypes
-from ds_tensorshard.datapath.reducers import reductions_done, start_reducers
+from ds_tensorshard.datapath.reducers import all_buckets, reductions_done, start_reducers
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
 
 
-class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
+class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, ZeROOptimizer):
     """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
 
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
@@ -107,20 +95,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.last_update_at: tuple[int, int] | None = None  # ZeRO-Offload's pipelined updates (step())
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
-        if engine.global_rank == 0:
-            logger.info(
-                f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
-                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} {self.layout.layout} of at "
-                f"most {self.bucket_numel:,} elements ({self.layout.why}), fullest rank / ideal "
-                f"{self.plan.imbalance:.4f}; "
-                f"{describe_zero_mapping(engine._config._param_dict)}"
-            )
-            for domain in (d for d in self.domains.values() if d.expert):
-                logger.info(
-                    f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
-                    f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
-                    f"{domain.plan.imbalance:.4f}"
-                )
+        log_startup(self, engine)
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
         self._step_of = lambda: engine.global_steps
@@ -134,9 +109,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
         self.custom_loss_scaler, self.external_loss_scale, self.torch_autocast_gradscaler = False, None, None
         self.overflow, self._global_grad_norm = False, None
-        # a direct loss.backward(): followed where the engine runs its end (from 0.18.5), else refused when it starts
-        running = lambda: getattr(engine, "_running_engine_backward", None)  # noqa: E731
-        self.backward_check = BackwardCheck(installed_release(), not isinstance(engine, PipelineEngine), running)
+        self.backward_check = BackwardCheck.of(engine, installed_release())  # who runs a backward
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: OwnershipPlan | None) -> None:
         """One domain per process group (:mod:`~ds_tensorshard.datapath.domains`): the dense tensors' over the
@@ -149,54 +122,33 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
         self.domains = open_domains(
-            self.optimizer,
-            self.params,
-            self.names,
-            self.group_domains,
-            self.dp_process_group,
-            config,
-            engine.device,
+            self.optimizer, self.params, self.names, self.group_domains, self.dp_process_group, config, engine.device,
             joint,
-        )
+        )  # fmt: skip
         self.domain_of = {p: self.domains[d] for g, d in zip(self.bit16_groups, self.group_domains) for p in g}
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
     def _own_tensors(self, engine: DeepSpeedEngine, eager_state: bool) -> None:
         """Masters (fp32, or bf16 as :mod:`~ds_tensorshard.datapath.precision` says) and the inner optimizer's
         state for this rank's blocks only."""
-        owned = [
-            [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
-            for group, domain in zip(self.bit16_groups, (self.domains[d] for d in self.group_domains))
-        ]
+        owned = owned_blocks(self.bit16_groups, [self.domains[d] for d in self.group_domains])
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         dtype = master_dtype(engine, self.optimizer)
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(
-            self.shard, self.params, lambda: [b for domain in self.domains.values() for b in domain.reducer.buckets]
-        )
+        self.offload = StateOffload(self.shard, self.params, functools.partial(all_buckets, self.domains))
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
-        # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
-        pipeline = isinstance(engine, PipelineEngine)
-        stage1 = not self.partition_gradients
-        self.intake = GradientIntake(
-            self.params,
-            self.names,
-            lambda: (
-                not self._coalesce_grad_reduction
-                and (not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline))
-            ),
-            self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
-        )
-        dense = self.domains[DENSE]
+        coalescing = lambda: self._coalesce_grad_reduction  # noqa: E731
+        self.intake = GradientIntake.of(engine, self.params, self.names, self._at_boundary, coalescing)
         on_cpu = engine.device.type == "cpu"
-        self.layout = layout_for(config, engine._config._param_dict, dense, on_cpu, self.dtype)  # datapath/defaults.py
+        self.layout = layout_for(config, engine._config._param_dict, self.domains[DENSE], on_cpu, self.dtype)
         self.bucket_numel, self.stripes = self.layout.bucket_numel, self.layout.layout == "stripes"
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
-        if updates_early(self.rules, self.host is not None) and not pipeline:
+        # not on a PipelineEngine: it reduces once, at the end of the batch (as stock ZeRO-1)
+        if updates_early(self.rules, self.host is not None) and not isinstance(engine, PipelineEngine):
             done = functools.partial(reductions_done, self.domains)
             self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, done)
         # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
@@ -222,11 +174,6 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             domain.reducer.drain()
         self.shard.grads.settle()
 
-    def broadcast(self) -> None:
-        """Every domain's owners send their updated tensors to the other ranks of its group."""
-        for domain in self.domains.values():
-            broadcast_buckets(domain.reducer.buckets, domain.comm, domain.reducer.describe)
-
     # -- what the engine reads ------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
@@ -245,11 +192,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Engines before DeepSpeed 0.18.3 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
         does, the loss in fp32 times the loss scale (1 unless fp16). Newer engines scale and run it themselves."""
-        self.backward_check.in_optimizer_backward = True
-        try:
+        with self.backward_check.through_optimizer():
             self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
-        finally:
-            self.backward_check.in_optimizer_backward = False
 
     # -- reduce ---------------------------------------------------------------------------------
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
@@ -285,15 +229,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         each model's update overlaps the previous one's broadcasts."""
         self.drain()
         self.shard.gradients_to_masters()
-        step = self._step_of()
-        squares = self.shard.squared_grad_norms()
-        describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
-        partials, steps = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
+        step, before = self._step_of(), self.loss_scale
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
-        norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
-        before = self.loss_scale
-        summed, unscaled, bad = read_on_host(steps, norm, invalid, before)  # the step's one host sync
-        check_steps(summed, step, self.comm)
+        squares = self.shard.squared_grad_norms()
+        norm, unscaled, bad = norm_over_ranks(squares, step, before, self.comm, self.model_parallel_group, experts)
         self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
         self._decision = decide(
@@ -322,8 +261,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         if decision.divisor is not None:
             self.shard.scale_grads(1.0 / decision.divisor)
         if self.host is not None and not self._defer_broadcast:  # ZeRO-Offload: updates pipelined with broadcasts
-            broadcast_buckets(self.buckets, self.comm, self.reducer.describe, self._update_before_broadcast)
-            self.shard.step()  # any owned tensor in no bucket
+            at = update_while_broadcasting(self.shard, self.buckets, self.comm, self.reducer.describe)
+            self.last_update_at = at or self.last_update_at  # (buckets sent, buckets) at this rank's last update
             self.shard.drop_grads()
             self.phase = Phase.ACCUMULATING
             return
@@ -333,17 +272,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             self.pending_broadcast = Broadcast(self.buckets, self.comm, self.reducer.describe)
             self.phase = Phase.BROADCASTING
         else:
-            self.broadcast()
+            broadcast_domains(self.domains)
             self.phase = Phase.ACCUMULATING
-
-    def _update_before_broadcast(self, sent: int, bucket: Bucket) -> None:
-        """ZeRO-Offload, after the norm: this rank's tensors in ``bucket`` not yet updated are updated on the host
-        just before the bucket is broadcast, while the ``sent`` buckets before it are still under way (their
-        broadcast started). ``last_update_at`` keeps (``sent``, buckets) at this rank's last update."""
-        todo = self.shard.not_updated_in(bucket, self.comm.rank)
-        if todo:
-            self.last_update_at = (sent, len(self.buckets))
-        self.shard.update(todo)
 
     def finish_broadcast(self) -> None:
         """Complete the broadcasts a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
@@ -362,15 +292,25 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             self.phase, self._decision = Phase.ACCUMULATING, None
         self.intake.clear(self.params, set_to_none)
 
-    def offload_states(
-        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
-    ) -> None:
-        """``engine.offload_states()``: this rank's masters, model tensors, gradients and optimizer state off the
-        device (:mod:`~ds_tensorshard.datapath.offload`)."""
-        self.offload.offload(include, getattr(device, "value", device), pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """``engine.reload_states()``: every offloaded state back on the accelerator."""
-        self.offload.reload(torch.device(get_accelerator().current_device_name()), non_blocking)
-
     add_param_group = staticmethod(refuse_add_param_group)
+
+
+def log_startup(optimizer: TensorShardOptimizer, engine: DeepSpeedEngine) -> None:
+    """Rank 0's start-up lines: the tensors, their buckets and layout (and why), the plan's balance, the ZeRO
+    keys' mapping; and each MoE expert group's plan."""
+    if engine.global_rank != 0:
+        return
+    plan, layout = optimizer.plan, optimizer.layout
+    logger.info(
+        f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(optimizer.params)} tensors "
+        f"({len(plan.split)} split into dim-0 blocks) in {len(optimizer.buckets)} {layout.layout} of at "
+        f"most {optimizer.bucket_numel:,} elements ({layout.why}), fullest rank / ideal "
+        f"{plan.imbalance:.4f}; "
+        f"{describe_zero_mapping(engine._config._param_dict)}"
+    )
+    for domain in (d for d in optimizer.domains.values() if d.expert):
+        logger.info(
+            f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
+            f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
+            f"{domain.plan.imbalance:.4f}"
+        )

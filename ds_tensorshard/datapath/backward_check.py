@@ -4,7 +4,11 @@ anything is reduced."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_tensorshard.errors import TensorShardUsageError
 
@@ -31,6 +35,22 @@ class BackwardCheck:
         self.refusal = reason and f"deepspeed {'.'.join(map(str, release))}: {reason}"
         self.engine_running = engine_running
         self.in_optimizer_backward = False
+
+    @classmethod
+    def of(cls, engine: Any, release: tuple[int, ...]) -> BackwardCheck:
+        """An engine's check on DeepSpeed ``release``: a direct ``loss.backward()`` is followed where the engine
+        runs its end (from 0.18.5), else refused when it starts; a PipelineEngine runs every backward itself."""
+        running = lambda: getattr(engine, "_running_engine_backward", None)  # noqa: E731
+        return cls(release, not isinstance(engine, PipelineEngine), running)
+
+    @contextlib.contextmanager
+    def through_optimizer(self) -> Iterator[None]:
+        """The optimizer's ``backward`` runs (an engine before 0.18.3 runs ``engine.backward`` through it)."""
+        self.in_optimizer_backward = True
+        try:
+            yield
+        finally:
+            self.in_optimizer_backward = False
 
     def check(self) -> None:
         if self.refusal is None:

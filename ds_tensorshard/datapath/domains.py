@@ -19,7 +19,7 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups
 
 from ds_tensorshard.datapath.placement import plan_for
-from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.datapath.plan import Block, OwnershipPlan
 from ds_tensorshard.datapath.reduce import OverlappedReducer
 from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.transports import open_transport
@@ -111,3 +111,13 @@ def open_domains(
         plan = plan_for(optimizer, {p: names[p] for p in members}, comm.world_size, config.split_tensors, joint)
         domains[name] = Domain(name, comm, members, plan)
     return domains
+
+
+def owned_blocks(
+    groups: list[list[torch.nn.Parameter]], group_domains: list[Domain]
+) -> list[list[tuple[torch.nn.Parameter, Block]]]:
+    """Per param group, the (tensor, block) pairs this rank owns in the group's domain."""
+    return [
+        [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
+        for group, domain in zip(groups, group_domains)
+    ]

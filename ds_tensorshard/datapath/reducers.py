@@ -24,6 +24,11 @@ def reductions_done(domains: dict[str, Domain]) -> tuple[int, int]:
     return reducer.started - len(reducer.in_flight), len(reducer.buckets)
 
 
+def all_buckets(domains: dict[str, Domain]) -> list[Bucket]:
+    """Every domain's buckets, as they are now."""
+    return [bucket for domain in domains.values() for bucket in domain.reducer.buckets]
+
+
 def _accept(shard: OwnedShard, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
     """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
     shard.accept(bucket, segment, rank)
