@@ -117,7 +117,7 @@ def _processes_mentioning(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended)])
 def test_bench_killed_mid_way_leaves_no_process_behind(tmp_path, signum):
     out = tmp_path / f"killed{int(signum)}"
     proc = subprocess.Popen(

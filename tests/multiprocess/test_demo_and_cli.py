@@ -3,6 +3,8 @@
 import os
 import re
 
+import pytest
+
 from tests.helpers import ROOT
 from tests.helpers.ranks import run_deepspeed_launcher, run_ranks
 
@@ -32,6 +34,7 @@ def test_demo_trains_and_reports_state_bytes_next_to_stock_zero2():
     assert max(float(r[1]) for r in rows) <= 1.05 * ts_total / 2
 
 
+@pytest.mark.extended  # the deepspeed launcher: also test_module_runner.py
 def test_two_models_example_runs_under_the_deepspeed_launcher_and_prints_both_plans():
     text = run_deepspeed_launcher(["--module", "ds_tensorshard.examples.train_two_models", "--steps", "2"], 3)
     joint = re.search(r"joint plan, elements per rank: +\[([\d, ]+)\] \(fullest / ideal ([\d.]+)\)", text)

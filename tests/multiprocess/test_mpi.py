@@ -103,6 +103,7 @@ def test_mpiexec_with_hostfile_and_torch_backend(tmp_path):
     assert [(r["rank"], r["transport"]) for r in found] == [(0, "TorchComm"), (1, "TorchComm"), (2, "TorchComm")]
 
 
+@pytest.mark.extended  # hostfiles across two hosts: the multihost tier
 def test_deepspeed_launcher_mpich_with_hostfile(tmp_path):
     # DeepSpeed 0.19.8's mpich runner breaks on --module (it passes -m to its own helper script), so the
     # runner is given ds_tensorshard/__main__.py as the script, as launch/deepspeed_mpi.sh does

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import deepspeed
+import pytest
 import torch
 
 from tests.helpers import ROOT
@@ -80,6 +81,7 @@ def test_convert_checkpoint_progress_on_a_terminal_only(tmp_path, single_rank_wo
     torch.testing.assert_close(weights["wte.weight"], engine.module.wte.weight.detach().float(), rtol=0, atol=0)
 
 
+@pytest.mark.extended  # the bar on a terminal: also test_bar_on_a_terminal_and_silent_in_a_pipe
 def test_demo_bar_on_rank_0_of_a_terminal():
     # none in a log: test_demo_and_cli.py's demo run (its ranks write to files); bench: test_bench.py
     cmd = [

@@ -11,6 +11,8 @@ recorded with whether it blocks the host and whether it ran inside a gradient ho
 ``step``: a GPT of ``PROBE_WIDTH`` x ``PROBE_LAYERS`` (default about 1B parameters) in bf16 at this world size:
 seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
+``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage 2, both sides at
+their defaults: the ATen operators and host syncs of the second ``engine.step()``, and the losses.
 """
 
 from __future__ import annotations
@@ -188,9 +190,7 @@ def step(rank: int, world: int, mode: str) -> dict:
 
     width, layers = int(os.environ.get("PROBE_WIDTH", 2048)), int(os.environ.get("PROBE_LAYERS", 20))
     vocab, seq = 32000, 512
-    config = ds_config("bf16", mode, 2, world)
-    config.update(gradient_accumulation_steps=1, train_batch_size=world, train_micro_batch_size_per_gpu=1)
-    config.pop("scheduler")
+    config = at_defaults(ds_config("bf16", mode, 2, world), world)
     torch.manual_seed(1234)
     with model_device():
         model = GPT(vocab=vocab, seq=seq, width=width, layers=layers, heads=max(1, width // 128))
@@ -218,7 +218,43 @@ def step(rank: int, world: int, mode: str) -> dict:
     }
 
 
-CHECKS = {"offload-states": offload_states, "host-waits": host_waits, "step": step}
+def at_defaults(config: dict, world: int) -> dict:
+    """An equivalence config with one micro-batch per step, no scheduler, and stock's and ds_tensorshard's buckets
+    at their defaults, as a user runs them."""
+    config.update(gradient_accumulation_steps=1, train_batch_size=world, train_micro_batch_size_per_gpu=1)
+    config.pop("scheduler")
+    config["zero_optimization"].pop("reduce_bucket_size")
+    config.get("tensorshard", {}).pop("bucket_layout", None)
+    return config
+
+
+def lora_ops(rank: int, world: int, mode: str) -> dict:
+    from ds_tensorshard.bench.op_count import OpCounter
+    from ds_tensorshard.commands.models import LoRAStack
+
+    torch.manual_seed(1234)
+    with model_device():
+        model = LoRAStack(vocab=1024, seq=32, width=128, layers=1000)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    config = at_defaults(ds_config("fp32", mode, 2, world), world)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+    tokens = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(rank)).to(engine.device)
+    losses = []
+    for _ in range(2):  # the second step counted (the first makes the optimizer state)
+        loss = engine(tokens)
+        engine.backward(loss)
+        with OpCounter() as counter:
+            engine.step()
+        losses.append(loss.item())
+    return {
+        "tensors": len(trained),
+        "aten_ops_per_step": counter.total,
+        "host_syncs_per_step": counter.host_syncs,
+        "losses": losses,
+    }
+
+
+CHECKS = {"offload-states": offload_states, "host-waits": host_waits, "step": step, "lora-ops": lora_ops}
 
 
 def main() -> None:
