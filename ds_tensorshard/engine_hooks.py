@@ -14,7 +14,7 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
   BF16_Optimizer; ``_flush_coalesced_reduction_zero12``, its flush: ds_tensorshard's (:mod:`.coalesce`).
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
 ``deepspeed.utils.zero_to_fp32`` to ds_tensorshard's converter for ds_tensorshard folders
-(:mod:`.checkpoints.stock_tools`; stock folders still go to DeepSpeed's code).
+(:mod:`.checkpoints.fp32_reader`; stock folders still go to DeepSpeed's code).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import log_dist
 
-from ds_tensorshard.checkpoints import stock_tools
+from ds_tensorshard.checkpoints import fp32_reader
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.coalesce import stock_refusal
 from ds_tensorshard.config import (
@@ -41,6 +41,7 @@ from ds_tensorshard.config import (
 )
 from ds_tensorshard.datapath.inner_optimizer import check_supported
 from ds_tensorshard.errors import CallRefusedAsStock, PeerLost, TensorShardConfigError
+from ds_tensorshard.full_tensors import attach
 from ds_tensorshard.transports import elastic_store, shutdown
 
 if TYPE_CHECKING:
@@ -116,7 +117,9 @@ def _wrap_configure_zero(original):
         from ds_tensorshard.many import joint_plan_of
         from ds_tensorshard.optimizer import TensorShardOptimizer
 
-        return TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
+        sharded = TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
+        attach(sharded)  # deepspeed.utils.safe_get_full_* / safe_set_full_* on every trained parameter
+        return sharded
 
     return _configure_zero_optimizer
 
@@ -186,13 +189,13 @@ def install() -> None:
             wrapped = wrap(current)
             setattr(wrapped, _MARK, current)
             setattr(DeepSpeedEngine, name, wrapped)
-    stock_tools.install()
+    fp32_reader.install()
     elastic_store.install()
 
 
 def installed() -> bool:
     return (
-        stock_tools.installed()
+        fp32_reader.installed()
         and elastic_store.installed()
         and all(
             getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_tensorshard.errors import TensorAccessError, TensorShardUsageError
+from ds_tensorshard.phase import Phase
 from ds_tensorshard.transports.deadline import wait_or_fail
 
 if TYPE_CHECKING:
@@ -183,15 +184,11 @@ def _owned_piece(
 
 def _prepared(optimizer: TensorShardOptimizer) -> bool:
     """Whether the step began (prepare_step ran): the gradient is then the step's fp32 one."""
-    from ds_tensorshard.optimizer import Phase
-
     return optimizer.phase is Phase.PREPARED
 
 
 def _gradient_window(optimizer: TensorShardOptimizer, name: str, call: str) -> OwnedShard:
     """The optimizer's shard once the step's gradients are on their owners and until step(); else the refusal."""
-    from ds_tensorshard.optimizer import Phase
-
     if optimizer.phase not in (Phase.REDUCED, Phase.PREPARED):
         raise TensorAccessError(
             f"ds_tensorshard: {call} of '{name}': the gradient is available only after the backward at the "

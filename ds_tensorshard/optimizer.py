@@ -10,12 +10,10 @@ data-parallel group's for dense tensors, and one per expert group for the expert
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import Any
 
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -27,60 +25,28 @@ from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.coalesce import CoalesceMethods
 from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
-from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_buckets
-from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.backward_check import BackwardCheck
+from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_domains, update_while_broadcasting
+from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
-from ds_tensorshard.datapath.domains import DENSE, Domain, domain_names, process_group_of
+from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains, owned_blocks
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
-from ds_tensorshard.datapath.norm import (
-    Decision,
-    NormRules,
-    check_steps,
-    counted_in_norm,
-    decide,
-    expert_norm_averaging,
-    global_norm,
-    loss_scaler_of,
-    read_on_host,
-    sum_over_ranks,
-)
-from ds_tensorshard.datapath.offload import StateOffload
-from ds_tensorshard.datapath.placement import in_model_order, plan_for, trainable_groups
+from ds_tensorshard.datapath.norm import Decision, NormRules, counted_in_norm, decide, loss_scaler_of, norm_over_ranks
+from ds_tensorshard.datapath.offload import OffloadMethods, StateOffload
+from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.precision import master_dtype
-from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer, autocast_comm_dtypes
+from ds_tensorshard.datapath.reduce import Averaging, autocast_comm_dtypes
+from ds_tensorshard.datapath.reducers import all_buckets, reductions_done, start_reducers
 from ds_tensorshard.datapath.update import OwnedShard
-from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
-from ds_tensorshard.full_tensors import attach
-from ds_tensorshard.transports import open_transport
+from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
 
 
-def direct_backward_refusal(release: tuple[int, ...]) -> str | None:
-    """Why a direct ``loss.backward()`` (instead of ``engine.backward(loss)``) cannot run as stock on DeepSpeed
-    ``release``, or None: from 0.18.5 the engine itself runs the end of such a backward (its reduction) from an
-    autograd callback, for any ZeRO optimizer; 0.18.3 and 0.18.4 leave it to stock ZeRO's own gradient hooks,
-    which ds_tensorshard replaces; earlier releases have no PyTorch-style backward at all."""
-    if release >= (0, 18, 5):
-        return None
-    if release >= (0, 18, 3):
-        return "its engine leaves the end of a direct backward (the reduction) to stock ZeRO's own gradient hooks"
-    return "it has no PyTorch-style backward (DeepSpeed 0.18.3 added it): only engine.backward(loss) reduces"
-
-
-class Phase(enum.Enum):
-    """Where the optimizer is in a step; only its own methods change it."""
-
-    ACCUMULATING = "accumulating"  # backward passes run; reductions may be in flight
-    REDUCED = "reduced"  # the boundary's backward was reduced: the step's gradients are on their owners
-    PREPARED = "prepared"  # prepare_step() ran: the norm is known and the loss scale updated
-    BROADCASTING = "broadcasting"  # step() ran with its broadcasts deferred; finish_broadcast() completes them
-
-
-class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
+class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, ZeROOptimizer):
     """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
 
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
@@ -129,21 +95,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.last_update_at: tuple[int, int] | None = None  # ZeRO-Offload's pipelined updates (step())
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
-        attach(self)  # deepspeed.utils.safe_get_full_* / safe_set_full_* (ds_tensorshard.full_tensors)
-        if engine.global_rank == 0:
-            logger.info(
-                f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(self.params)} tensors "
-                f"({len(self.plan.split)} split into dim-0 blocks) in {len(self.buckets)} {self.layout.layout} of at "
-                f"most {self.bucket_numel:,} elements ({self.layout.why}), fullest rank / ideal "
-                f"{self.plan.imbalance:.4f}; "
-                f"{describe_zero_mapping(engine._config._param_dict)}"
-            )
-            for domain in (d for d in self.domains.values() if d.expert):
-                logger.info(
-                    f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
-                    f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
-                    f"{domain.plan.imbalance:.4f}"
-                )
+        log_startup(self, engine)
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
         self._step_of = lambda: engine.global_steps
@@ -157,12 +109,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
         self.custom_loss_scaler, self.external_loss_scale, self.torch_autocast_gradscaler = False, None, None
         self.overflow, self._global_grad_norm = False, None
-        # a direct loss.backward(): followed where the engine runs its end (from 0.18.5), else refused when it starts
-        release = installed_release()
-        refusal = None if isinstance(engine, PipelineEngine) else direct_backward_refusal(release)
-        self._direct_backward_refusal = refusal and f"deepspeed {'.'.join(map(str, release))}: {refusal}"
-        self._engine_backward_running = lambda: getattr(engine, "_running_engine_backward", None)
-        self._in_optimizer_backward = False  # engines before 0.18.3 run engine.backward through self.backward
+        self.backward_check = BackwardCheck.of(engine, installed_release())  # who runs a backward
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: OwnershipPlan | None) -> None:
         """One domain per process group (:mod:`~ds_tensorshard.datapath.domains`): the dense tensors' over the
@@ -174,118 +121,46 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
         self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
-        if joint is not None and set(self.group_domains) != {DENSE}:
-            raise TensorShardConfigError(
-                "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
-                "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
-            )
-        if set(self.group_domains) != {DENSE} and type(self.optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
-            raise TensorShardConfigError(
-                f"the Muon optimizer ({type(self.optimizer).__name__}) with a mixture-of-experts model: not checked "
-                "against stock ZeRO-1/2 with expert tensors; use Adam/AdamW, or disable 'tensorshard.enabled'"
-            )
-        self.domains: dict[str, Domain] = {}
-        for name in [DENSE, *sorted(set(self.group_domains) - {DENSE})]:  # the same order on every rank
-            group = process_group_of(name, self.dp_process_group)
-            comm = open_transport(config.comm_backend, group, config.timeout_s, engine.device)
-            in_domain = {p for g, d in zip(self.bit16_groups, self.group_domains) if d == name for p in g}
-            params = [p for p in self.params if p in in_domain]
-            names = {p: self.names[p] for p in params}
-            plan = plan_for(self.optimizer, names, comm.world_size, config.split_tensors, joint)
-            self.domains[name] = Domain(name, comm, params, plan)
+        self.domains = open_domains(
+            self.optimizer, self.params, self.names, self.group_domains, self.dp_process_group, config, engine.device,
+            joint,
+        )  # fmt: skip
         self.domain_of = {p: self.domains[d] for g, d in zip(self.bit16_groups, self.group_domains) for p in g}
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
 
     def _own_tensors(self, engine: DeepSpeedEngine, eager_state: bool) -> None:
         """Masters (fp32, or bf16 as :mod:`~ds_tensorshard.datapath.precision` says) and the inner optimizer's
         state for this rank's blocks only."""
-        owned = [
-            [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
-            for group, domain in zip(self.bit16_groups, (self.domains[d] for d in self.group_domains))
-        ]
+        owned = owned_blocks(self.bit16_groups, [self.domains[d] for d in self.group_domains])
         offload = engine.zero_offload_optimizer() if engine.zero_cpu_offload() else None
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         dtype = master_dtype(engine, self.optimizer)
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(
-            self.shard, self.params, lambda: [b for domain in self.domains.values() for b in domain.reducer.buckets]
-        )
+        self.offload = StateOffload(self.shard, self.params, functools.partial(all_buckets, self.domains))
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
-        # a PipelineEngine runs backward itself and reduces once, at the end of the batch (as stock ZeRO-1)
-        pipeline = isinstance(engine, PipelineEngine)
-        stage1 = not self.partition_gradients
-        self.comm_dtype_of = autocast_comm_dtypes()  # before the buckets: they are cut per communication dtype
-        self.intake = GradientIntake(
-            self.params,
-            self.names,
-            lambda: (
-                not self._coalesce_grad_reduction
-                and (not stage1 or (self._at_boundary() and not engine.inside_no_sync_ctxt and not pipeline))
-            ),
-            self.accum_dtype if stage1 and self.accum_dtype != self.dtype else None,  # held in a wider dtype
-        )
-        dense = self.domains[DENSE]
+        coalescing = lambda: self._coalesce_grad_reduction  # noqa: E731
+        self.intake = GradientIntake.of(engine, self.params, self.names, self._at_boundary, coalescing)
         on_cpu = engine.device.type == "cpu"
-        self.layout = layout_for(config, engine._config._param_dict, dense, on_cpu, self.dtype)  # datapath/defaults.py
+        self.layout = layout_for(config, engine._config._param_dict, self.domains[DENSE], on_cpu, self.dtype)
         self.bucket_numel, self.stripes = self.layout.bucket_numel, self.layout.layout == "stripes"
         self.early: EarlyUpdate | None = None  # ZeRO-Offload updates each tensor as its last piece arrives
-        if updates_early(self.rules, self.host is not None) and not pipeline:
-            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, self._reductions_done)
+        # not on a PipelineEngine: it reduces once, at the end of the batch (as stock ZeRO-1)
+        if updates_early(self.rules, self.host is not None) and not isinstance(engine, PipelineEngine):
+            done = functools.partial(reductions_done, self.domains)
+            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, done)
         # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
         averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
-        for domain in self.domains.values():
-            domain.reducer = OverlappedReducer(
-                self._build_buckets(domain, list(reversed(domain.params))),
-                domain.comm,
-                averaging,
-                self.early.deliver if self.early else functools.partial(self._accept, domain.comm.rank),
-                domain.params,
-                self.names.__getitem__,
-                functools.partial(self._build_buckets, domain),
-                self.intake.gradient_of,
-                self.intake.release,
-                self._step_of,
-                lambda: engine.micro_steps if self._at_boundary() else None,
-            )
+        boundary = lambda: engine.micro_steps if self._at_boundary() else None  # noqa: E731
+        start_reducers(
+            self.domains, self.layout, autocast_comm_dtypes(), averaging, self.shard, self.early, self.intake,
+            self.names, self._step_of, boundary,
+        )  # fmt: skip
         self.reducer = self.domains[DENSE].reducer
         self.intake.to_reducer = lambda param: self.domain_of[param].reducer.gradient_ready(param)
-        self.intake.check_caller = self._check_backward_caller
-
-    def _accept(self, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
-        """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
-        self.shard.accept(bucket, segment, rank)
-
-    def _build_buckets(self, domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        if self.stripes:
-            world = domain.comm.world_size
-            buckets = build_stripes(backward_order, domain.plan.blocks_of, self.bucket_numel, world, self.comm_dtype_of)
-        else:
-            buckets = build_buckets(backward_order, domain.plan.blocks_of, self.bucket_numel, self.comm_dtype_of)
-        if self.early is not None:
-            self.early.expect(buckets)
-        return buckets
-
-    def _reductions_done(self) -> tuple[int, int]:
-        """(reductions of this backward completed, buckets): where an early update started."""
-        return self.reducer.started - len(self.reducer.in_flight), len(self.reducer.buckets)
-
-    def _check_backward_caller(self) -> None:
-        """Called as each gradient arrives: a direct ``loss.backward()`` on a release where it cannot follow stock
-        is refused at its first gradient, before anything is reduced."""
-        if self._direct_backward_refusal is None:
-            return
-        running = self._engine_backward_running()
-        if running is None:  # the engine has no flag: it runs engine.backward through self.backward
-            running = self._in_optimizer_backward
-        if not running:
-            raise TensorShardUsageError(
-                "ds_tensorshard: loss.backward() was called directly, not through engine.backward(loss), on "
-                f"{self._direct_backward_refusal}; so the gradients would not be reduced as stock reduces them. "
-                "Call engine.backward(loss), or use deepspeed >= 0.18.5"
-            )
+        self.intake.check_caller = self.backward_check.check
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -298,11 +173,6 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         for domain in self.domains.values():
             domain.reducer.drain()
         self.shard.grads.settle()
-
-    def broadcast(self) -> None:
-        """Every domain's owners send their updated tensors to the other ranks of its group."""
-        for domain in self.domains.values():
-            broadcast_buckets(domain.reducer.buckets, domain.comm, domain.reducer.describe)
 
     # -- what the engine reads ------------------------------------------------------------------
     @property
@@ -322,11 +192,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Engines before DeepSpeed 0.18.3 hand the backward to a ZeRO optimizer: as their stock ZeRO-1/2
         does, the loss in fp32 times the loss scale (1 unless fp16). Newer engines scale and run it themselves."""
-        self._in_optimizer_backward = True
-        try:
+        with self.backward_check.through_optimizer():
             self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
-        finally:
-            self._in_optimizer_backward = False
 
     # -- reduce ---------------------------------------------------------------------------------
     def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
@@ -362,15 +229,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         each model's update overlaps the previous one's broadcasts."""
         self.drain()
         self.shard.gradients_to_masters()
-        step = self._step_of()
-        squares = self.shard.squared_grad_norms()
-        describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
-        partials, steps = sum_over_ranks(squares, step, self.comm, self.model_parallel_group, describe)
+        step, before = self._step_of(), self.loss_scale
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
-        norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
-        before = self.loss_scale
-        summed, unscaled, bad = read_on_host(steps, norm, invalid, before)  # the step's one host sync
-        check_steps(summed, step, self.comm)
+        squares = self.shard.squared_grad_norms()
+        norm, unscaled, bad = norm_over_ranks(squares, step, before, self.comm, self.model_parallel_group, experts)
         self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
         self._decision = decide(
@@ -399,8 +261,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
         if decision.divisor is not None:
             self.shard.scale_grads(1.0 / decision.divisor)
         if self.host is not None and not self._defer_broadcast:  # ZeRO-Offload: updates pipelined with broadcasts
-            broadcast_buckets(self.buckets, self.comm, self.reducer.describe, self._update_before_broadcast)
-            self.shard.step()  # any owned tensor in no bucket
+            at = update_while_broadcasting(self.shard, self.buckets, self.comm, self.reducer.describe)
+            self.last_update_at = at or self.last_update_at  # (buckets sent, buckets) at this rank's last update
             self.shard.drop_grads()
             self.phase = Phase.ACCUMULATING
             return
@@ -410,17 +272,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             self.pending_broadcast = Broadcast(self.buckets, self.comm, self.reducer.describe)
             self.phase = Phase.BROADCASTING
         else:
-            self.broadcast()
+            broadcast_domains(self.domains)
             self.phase = Phase.ACCUMULATING
-
-    def _update_before_broadcast(self, sent: int, bucket: Bucket) -> None:
-        """ZeRO-Offload, after the norm: this rank's tensors in ``bucket`` not yet updated are updated on the host
-        just before the bucket is broadcast, while the ``sent`` buckets before it are still under way (their
-        broadcast started). ``last_update_at`` keeps (``sent``, buckets) at this rank's last update."""
-        todo = self.shard.not_updated_in(bucket, self.comm.rank)
-        if todo:
-            self.last_update_at = (sent, len(self.buckets))
-        self.shard.update(todo)
 
     def finish_broadcast(self) -> None:
         """Complete the broadcasts a deferred step() started (see :func:`ds_tensorshard.step_many`)."""
@@ -439,15 +292,25 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, ZeROOptimizer):
             self.phase, self._decision = Phase.ACCUMULATING, None
         self.intake.clear(self.params, set_to_none)
 
-    def offload_states(
-        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
-    ) -> None:
-        """``engine.offload_states()``: this rank's masters, model tensors, gradients and optimizer state off the
-        device (:mod:`~ds_tensorshard.datapath.offload`)."""
-        self.offload.offload(include, getattr(device, "value", device), pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """``engine.reload_states()``: every offloaded state back on the accelerator."""
-        self.offload.reload(torch.device(get_accelerator().current_device_name()), non_blocking)
-
     add_param_group = staticmethod(refuse_add_param_group)
+
+
+def log_startup(optimizer: TensorShardOptimizer, engine: DeepSpeedEngine) -> None:
+    """Rank 0's start-up lines: the tensors, their buckets and layout (and why), the plan's balance, the ZeRO
+    keys' mapping; and each MoE expert group's plan."""
+    if engine.global_rank != 0:
+        return
+    plan, layout = optimizer.plan, optimizer.layout
+    logger.info(
+        f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(optimizer.params)} tensors "
+        f"({len(plan.split)} split into dim-0 blocks) in {len(optimizer.buckets)} {layout.layout} of at "
+        f"most {optimizer.bucket_numel:,} elements ({layout.why}), fullest rank / ideal "
+        f"{plan.imbalance:.4f}; "
+        f"{describe_zero_mapping(engine._config._param_dict)}"
+    )
+    for domain in (d for d in optimizer.domains.values() if d.expert):
+        logger.info(
+            f"ds_tensorshard: MoE expert group '{domain.name}': {len(domain.params)} tensors planned over its "
+            f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
+            f"{domain.plan.imbalance:.4f}"
+        )

@@ -5,7 +5,7 @@ universal). :class:`CheckpointMethods` holds the methods DeepSpeed's engine call
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScalerBase
@@ -18,17 +18,42 @@ from ds_tensorshard.datapath.plan import Block
 from ds_tensorshard.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ds_tensorshard.optimizer import TensorShardOptimizer
+    from ds_tensorshard.datapath.buckets import Bucket
+    from ds_tensorshard.datapath.update import OwnedShard
+    from ds_tensorshard.transports.protocol import Transport
+
+
+class Checkpointed(Protocol):
+    """What the checkpoint methods read of :class:`~ds_tensorshard.TensorShardOptimizer`."""
+
+    optimizer: torch.optim.Optimizer
+    shard: OwnedShard
+    comm: Transport
+    params: list[torch.nn.Parameter]
+    names: dict[torch.nn.Parameter, str]
+    checkpoint_names: dict[torch.nn.Parameter, str]
+    all_checkpoint_names: dict[str, list[str]]
+    bit16_groups: list[list[torch.nn.Parameter]]
+    checkpoint_id: str | None
+    clip_grad: float
+    dtype: torch.dtype
+    partition_gradients: bool
+    loss_scaler: LossScalerBase
+    dynamic_loss_scale: bool
+    overflow: bool
+
+    @property
+    def buckets(self) -> list[Bucket]: ...
 
 
 class CheckpointMethods:
     """The checkpoint methods of :class:`~ds_tensorshard.TensorShardOptimizer` (one of its bases)."""
 
-    def state_dict(self: TensorShardOptimizer) -> dict:  # type: ignore[misc]
+    def state_dict(self: Checkpointed) -> dict:
         """This rank's file (a :class:`~ds_tensorshard.checkpoints.rank_file.RankFile`)."""
         return rank_file(self)
 
-    def check_checkpoint(self: TensorShardOptimizer, source: CheckpointSource) -> None:  # type: ignore[misc]
+    def check_checkpoint(self: Checkpointed, source: CheckpointSource) -> None:
         """Refuse, before any state is touched, a checkpoint of another model or of another expert-parallel
         size (its MoE param groups are named after it, ``ep_size_N``, in stock's files and ours)."""
         source.check_model(*layout(self))
@@ -40,9 +65,7 @@ class CheckpointMethods:
                 "another expert-parallel size is not supported (any data-parallel size with the same one is)"
             )
 
-    def load_from_source(  # type: ignore[misc]
-        self: TensorShardOptimizer, source: CheckpointSource, load_optimizer_states: bool = True
-    ) -> None:
+    def load_from_source(self: Checkpointed, source: CheckpointSource, load_optimizer_states: bool = True) -> None:
         """Take the owned tensors' masters (and moments, step, hyper-parameters, loss scale) from a checkpoint."""
         scaler = load(self, source, load_optimizer_states)
         if scaler is not None:
@@ -50,7 +73,7 @@ class CheckpointMethods:
             self.dynamic_loss_scale = isinstance(self.loss_scaler, DynamicLossScaler)
 
     @torch.no_grad()
-    def update_lp_params(self: TensorShardOptimizer) -> None:  # type: ignore[misc]
+    def update_lp_params(self: Checkpointed) -> None:
         """Write the masters into the model's tensors on every rank (after a universal-checkpoint load)."""
         for param, master in self.shard.masters.items():
             param.data.copy_(master)
@@ -63,14 +86,14 @@ class CheckpointMethods:
         )
 
     # weights loaded from outside (module-only loads, checkpoints without optimizer state)
-    def _restore_from_bit16_weights(self: TensorShardOptimizer) -> None:  # type: ignore[misc]
+    def _restore_from_bit16_weights(self: Checkpointed) -> None:
         self.shard.reload_from_params()
 
-    def refresh_fp32_params(self: TensorShardOptimizer) -> None:  # type: ignore[misc]
+    def refresh_fp32_params(self: Checkpointed) -> None:
         self.shard.reload_from_params()
 
 
-def rank_file(optimizer: TensorShardOptimizer) -> dict:
+def rank_file(optimizer: Checkpointed) -> dict:
     """This rank's checkpoint file, as the dict DeepSpeed saves."""
     names, inner, shard = optimizer.checkpoint_names, optimizer.optimizer, optimizer.shard
     tensors = {}
@@ -96,7 +119,7 @@ def rank_file(optimizer: TensorShardOptimizer) -> dict:
     ).to_dict()
 
 
-def layout(optimizer: TensorShardOptimizer) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
+def layout(optimizer: Checkpointed) -> tuple[list[list[str]], dict[str, tuple[int, ...]]]:
     """Param-group membership and shapes, by checkpoint name, that a checkpoint must match: with MoE layers,
     every expert of every expert-parallel rank (the same on every rank)."""
     every = {p: optimizer.all_checkpoint_names[optimizer.names[p]] for p in optimizer.params}
@@ -108,7 +131,7 @@ def layout(optimizer: TensorShardOptimizer) -> tuple[list[list[str]], dict[str, 
 
 @torch.no_grad()
 def load(
-    optimizer: TensorShardOptimizer, source: CheckpointSource, load_optimizer_states: bool
+    optimizer: Checkpointed, source: CheckpointSource, load_optimizer_states: bool
 ) -> tuple[LossScalerBase, bool] | None:
     """Copy the owned tensors' masters (and, with ``load_optimizer_states``, their state and the groups'
     hyper-parameters) from ``source``; returns the saved loss scaler and overflow flag, if it has them."""

@@ -1,17 +1,23 @@
-"""Broadcast: updated parameters go from their owners back to every rank."""
+"""Broadcast: updated parameters go from their owners back to every rank (with ZeRO-Offload, each bucket's tensors
+updated on the host just before it is sent: :func:`update_while_broadcasting`)."""
 
 from __future__ import annotations
 
 import functools
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.reduce import IN_FLIGHT
+from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.transports.deadline import wait_or_fail
 from ds_tensorshard.transports.protocol import Pending, Transport
+
+if TYPE_CHECKING:
+    from ds_tensorshard.datapath.domains import Domain
 
 
 class Broadcast:
@@ -69,3 +75,30 @@ def broadcast_buckets(
     """Every rank receives every owner's updated tensors, two buckets in flight at a time (each bucket's
     ``update`` first, where given)."""
     Broadcast(buckets, comm, describe, update).finish()
+
+
+def broadcast_domains(domains: dict[str, Domain]) -> None:
+    """Every domain's owners send their updated tensors to the other ranks of its group."""
+    for domain in domains.values():
+        broadcast_buckets(domain.reducer.buckets, domain.comm, domain.reducer.describe)
+
+
+def update_while_broadcasting(
+    shard: OwnedShard, buckets: list[Bucket], comm: Transport, describe: Callable[[int, Bucket, str], str]
+) -> tuple[int, int] | None:
+    """ZeRO-Offload, after the norm: this rank's tensors in each bucket not yet updated are updated on the host
+    just before the bucket is broadcast, while the buckets sent before it are still under way (their broadcast
+    started); then any owned tensor in no bucket. Returns (buckets sent, buckets) at this rank's last update in a
+    bucket, or None where it updated none there."""
+    last: tuple[int, int] | None = None
+
+    def update(sent: int, bucket: Bucket) -> None:
+        nonlocal last
+        todo = shard.not_updated_in(bucket, comm.rank)
+        if todo:
+            last = (sent, len(buckets))
+        shard.update(todo)
+
+    broadcast_buckets(buckets, comm, describe, update)
+    shard.step()  # any owned tensor in no bucket
+    return last

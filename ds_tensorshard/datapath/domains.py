@@ -12,16 +12,21 @@ rank 0 plans expert 0's tensors over ranks {0, 2}, the dense domain every other 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups
 
-from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.datapath.placement import plan_for
+from ds_tensorshard.datapath.plan import Block, OwnershipPlan
 from ds_tensorshard.datapath.reduce import OverlappedReducer
 from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.transports import open_transport
 from ds_tensorshard.transports.protocol import Transport
+
+if TYPE_CHECKING:
+    from ds_tensorshard.config import TensorShardConfig
 
 DENSE = "data_parallel"  # the dense domain's name; an expert domain is named after its expert group
 
@@ -71,3 +76,48 @@ def domain_names(param_groups: list[dict], names: dict[torch.nn.Parameter, str])
 def process_group_of(name: str, data_parallel_group: Any) -> Any:
     """The process group a domain's tensors are averaged over."""
     return data_parallel_group if name == DENSE else groups._get_expert_data_parallel_group(name)
+
+
+def open_domains(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    names: dict[torch.nn.Parameter, str],
+    group_domains: list[str],
+    data_parallel_group: Any,
+    config: TensorShardConfig,
+    device: torch.device,
+    joint: OwnershipPlan | None,
+) -> dict[str, Domain]:
+    """One domain per process group, each planned over its own group's ranks (``joint``: the plan of
+    :func:`~ds_tensorshard.initialize_many`): the dense tensors' first, then each expert group's, in the same
+    order on every rank. ``group_domains``: each param group's domain (:func:`domain_names`)."""
+    if joint is not None and set(group_domains) != {DENSE}:
+        raise TensorShardConfigError(
+            "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
+            "and expert tensors are planned over their expert-data-parallel group; initialize it on its own"
+        )
+    if set(group_domains) != {DENSE} and type(optimizer).__name__ in ("Muon", "MuonWithAuxAdam"):
+        raise TensorShardConfigError(
+            f"the Muon optimizer ({type(optimizer).__name__}) with a mixture-of-experts model: not checked "
+            "against stock ZeRO-1/2 with expert tensors; use Adam/AdamW, or disable 'tensorshard.enabled'"
+        )
+    domains = {}
+    for name in [DENSE, *sorted(set(group_domains) - {DENSE})]:
+        comm = open_transport(
+            config.comm_backend, process_group_of(name, data_parallel_group), config.timeout_s, device
+        )
+        in_domain = {p for group, d in zip(optimizer.param_groups, group_domains) if d == name for p in group["params"]}
+        members = [p for p in params if p in in_domain]
+        plan = plan_for(optimizer, {p: names[p] for p in members}, comm.world_size, config.split_tensors, joint)
+        domains[name] = Domain(name, comm, members, plan)
+    return domains
+
+
+def owned_blocks(
+    groups: list[list[torch.nn.Parameter]], group_domains: list[Domain]
+) -> list[list[tuple[torch.nn.Parameter, Block]]]:
+    """Per param group, the (tensor, block) pairs this rank owns in the group's domain."""
+    return [
+        [(p, b) for p in group for b in domain.plan.blocks_of(p) if b.rank == domain.comm.rank]
+        for group, domain in zip(groups, group_domains)
+    ]

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 # a parameter's gradient hook, by id: a model given to a new engine drops the previous engine's hook
 _HOOKS: dict[int, RemovableHandle] = {}
@@ -39,6 +44,28 @@ class GradientIntake:
             else:
                 weakref.finalize(param, _HOOKS.pop, id(param), None)
             _HOOKS[id(param)] = param.register_post_accumulate_grad_hook(self.ready)
+
+    @classmethod
+    def of(
+        cls,
+        engine: DeepSpeedEngine,
+        params: list[torch.nn.Parameter],
+        names: dict[torch.nn.Parameter, str],
+        at_boundary: Callable[[], bool],
+        coalescing: Callable[[], bool],
+    ) -> GradientIntake:
+        """The intake of an engine's ZeRO stage (see the module's account); ``coalescing``: inside the engine's
+        ``coalesce_grad_reduction()`` block, whose backwards reduce nothing (:mod:`~ds_tensorshard.coalesce`)."""
+        stage1 = engine.zero_optimization_stage() != 2
+        pipeline = isinstance(engine, PipelineEngine)  # it runs backward itself and reduces once (as stock ZeRO-1)
+        dtype, accum_dtype = engine.get_data_types()[:2]
+
+        def reduces_now() -> bool:
+            return not coalescing() and (
+                not stage1 or (at_boundary() and not engine.inside_no_sync_ctxt and not pipeline)
+            )
+
+        return cls(params, names, reduces_now, accum_dtype if stage1 and accum_dtype != dtype else None)
 
     @torch.no_grad()
     def ready(self, param: torch.nn.Parameter) -> None:

@@ -104,6 +104,26 @@ def global_norm(
     return torch.where(invalid, float("inf"), torch.linalg.vector_norm(group_norms)), invalid
 
 
+def norm_over_ranks(
+    squares: torch.Tensor,
+    step: int,
+    scale: float,
+    comm: Transport,
+    model_parallel_group: Any,
+    experts: list[tuple[int, Transport]],
+) -> tuple[torch.Tensor, float, bool]:
+    """``(norm, norm / scale, invalid)``: each group's ``squares`` (this rank's) summed over the ranks
+    (:func:`sum_over_ranks`), the global norm (:func:`global_norm`; ``experts``: each expert group's param group
+    index and transport, for :func:`expert_norm_averaging`), the norm on the device and the rest read on the host
+    in the step's one host sync (:func:`read_on_host`); every rank checked to be at ``step`` (:func:`check_steps`)."""
+    describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
+    partials, steps = sum_over_ranks(squares, step, comm, model_parallel_group, describe)
+    norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
+    summed, unscaled, bad = read_on_host(steps, norm, invalid, scale)
+    check_steps(summed, step, comm)
+    return norm, unscaled, bad
+
+
 @dataclass(frozen=True)
 class NormRules:
     """How an engine's config and DeepSpeed release treat the norm (read once, at initialize)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -30,6 +31,24 @@ from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardUsageError
 
 HOST_RESIDENT = (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)  # with ZeRO-Offload
+
+
+class OffloadMethods:
+    """``engine.offload_states()`` / ``reload_states()`` of :class:`~ds_tensorshard.TensorShardOptimizer` (one of
+    its bases), through its :class:`StateOffload`."""
+
+    offload: StateOffload
+
+    def offload_states(
+        self, include: Any = None, device: Any = "cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """``engine.offload_states()``: this rank's masters, model tensors, gradients and optimizer state off the
+        device."""
+        self.offload.offload(include, getattr(device, "value", device), pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """``engine.reload_states()``: every offloaded state back on the accelerator."""
+        self.offload.reload(torch.device(get_accelerator().current_device_name()), non_blocking)
 
 
 class StateOffload:

@@ -127,7 +127,7 @@ def references(release: str) -> dict[str, str]:
 
 
 def direct_backward_refused(version: str) -> bool:
-    from ds_tensorshard.optimizer import direct_backward_refusal
+    from ds_tensorshard.datapath.backward_check import direct_backward_refusal
     from ds_tensorshard.versions import release
 
     return direct_backward_refusal(release(version)) is not None

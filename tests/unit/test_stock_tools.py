@@ -20,7 +20,7 @@ from deepspeed.checkpoint import ds_to_universal
 from deepspeed.utils import zero_to_fp32
 
 import ds_tensorshard  # noqa: F401
-from ds_tensorshard.checkpoints import stock_tools
+from ds_tensorshard.checkpoints import fp32_reader, stock_tools
 from ds_tensorshard.checkpoints.convert import convert
 from ds_tensorshard.checkpoints.sources import open_checkpoint
 from tests.helpers.one_rank import make_engine, train, train_and_save
@@ -56,7 +56,7 @@ def test_zero_to_fp32_functions_give_the_converters_weights(saves, tmp_path):
     # the public functions stay DeepSpeed's own objects (so a name bound before ds_tensorshard was imported
     # reaches the wrapper): only the module's reader of a tag folder is wrapped
     assert not hasattr(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint, "_ds_tensorshard_original")
-    assert stock_tools.installed()
+    assert fp32_reader.installed()
     assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"])), reference)
     assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"]), "t", lazy_mode=True), reference)
     without_frozen = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
@@ -74,7 +74,7 @@ def test_zero_to_fp32_functions_give_the_converters_weights(saves, tmp_path):
 
 def test_a_stock_folder_still_goes_to_deepspeeds_code(saves):
     stock = str(saves["stock"] / "t")
-    assert not stock_tools.holds_tensorshard_rank_files(stock)
+    assert not fp32_reader.holds_tensorshard_rank_files(stock)
     original = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint._ds_tensorshard_original
     for exclude in (False, True):
         through_wrapper = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["stock"]), "t", exclude)

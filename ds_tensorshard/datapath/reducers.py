@@ -1,0 +1,74 @@
+"""Reducers: one per domain (:mod:`~ds_tensorshard.datapath.domains`), fed by the gradient hooks, laying out its
+buckets as the layout says (windows or stripes, :mod:`~ds_tensorshard.datapath.defaults`) and delivering this
+rank's reduced segments: to its owned gradients, or to ZeRO-Offload's early updates."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ds_tensorshard.datapath.buckets import Bucket, build_buckets, build_stripes
+from ds_tensorshard.datapath.defaults import LayoutChoice
+from ds_tensorshard.datapath.domains import DENSE, Domain
+from ds_tensorshard.datapath.early_update import EarlyUpdate
+from ds_tensorshard.datapath.intake import GradientIntake
+from ds_tensorshard.datapath.reduce import Averaging, OverlappedReducer
+from ds_tensorshard.datapath.update import OwnedShard
+
+
+def reductions_done(domains: dict[str, Domain]) -> tuple[int, int]:
+    """(reductions of this backward completed, buckets) in the data-parallel domain: where an early update began."""
+    reducer = domains[DENSE].reducer
+    return reducer.started - len(reducer.in_flight), len(reducer.buckets)
+
+
+def all_buckets(domains: dict[str, Domain]) -> list[Bucket]:
+    """Every domain's buckets, as they are now."""
+    return [bucket for domain in domains.values() for bucket in domain.reducer.buckets]
+
+
+def _accept(shard: OwnedShard, rank: int, bucket: Bucket, segment: torch.Tensor) -> None:
+    """A reduced segment arrived at its owner, this ``rank`` of the bucket's domain."""
+    shard.accept(bucket, segment, rank)
+
+
+def start_reducers(
+    domains: dict[str, Domain],
+    layout: LayoutChoice,
+    comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None],
+    averaging: Averaging,
+    shard: OwnedShard,
+    early: EarlyUpdate | None,
+    intake: GradientIntake,
+    names: dict[torch.nn.Parameter, str],
+    step_of: Callable[[], int],
+    boundary_of: Callable[[], int | None],
+) -> None:
+    """Give each domain its reducer, its first buckets in the reverse of model order (backward's, roughly)."""
+
+    def build(domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
+        blocks_of, numel = domain.plan.blocks_of, layout.bucket_numel
+        if layout.layout == "stripes":
+            buckets = build_stripes(backward_order, blocks_of, numel, domain.comm.world_size, comm_dtype_of)
+        else:
+            buckets = build_buckets(backward_order, blocks_of, numel, comm_dtype_of)
+        if early is not None:
+            early.expect(buckets)
+        return buckets
+
+    for domain in domains.values():
+        domain.reducer = OverlappedReducer(
+            build(domain, list(reversed(domain.params))),
+            domain.comm,
+            averaging,
+            early.deliver if early else functools.partial(_accept, shard, domain.comm.rank),
+            domain.params,
+            names.__getitem__,
+            functools.partial(build, domain),
+            intake.gradient_of,
+            intake.release,
+            step_of,
+            boundary_of,
+        )
