@@ -127,7 +127,7 @@ class OwnedShard:
             self._adam.step() if self._adam is not None else self.optimizer.step()
         elif todo:
             self._step_only(todo)
-        self._align_step_counts()
+        align_step_counts(self.optimizer)
         self._write_back(todo)
 
     @torch.no_grad()
@@ -232,17 +232,6 @@ class OwnedShard:
             cached = self._own_views[param] = ((param.data_ptr(), id(master)), self._own(param), master.view(-1))
         return cached[1], cached[2]
 
-    def _align_step_counts(self) -> None:
-        """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
-        state = self.optimizer.state
-        for group in self.optimizer.param_groups:
-            stepped = [m for m in group["params"] if "step" in state.get(m, {})]
-            steps = [state[m]["step"] for m in stepped]
-            if steps and all(isinstance(step, int) for step in steps):
-                count = max(steps)
-                for master in stepped:
-                    state[master]["step"] = count
-
     def move_grads(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The gradient buffers to where ``moved`` puts them (``offload_states``), the masters' views with them."""
         self.grads.move(moved)
@@ -275,3 +264,15 @@ class OwnedShard:
             own = self._own(param)
             if master.data_ptr() != own.data_ptr():
                 master.view(-1).copy_(own)
+
+
+def align_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """FusedAdam advances an int ``step`` on a group's last tensor only; give every tensor the group's count."""
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        stepped = [m for m in group["params"] if "step" in state.get(m, {})]
+        steps = [state[m]["step"] for m in stepped]
+        if steps and all(isinstance(step, int) for step in steps):
+            count = max(steps)
+            for master in stepped:
+                state[master]["step"] = count
