@@ -33,8 +33,8 @@ from tests.helpers.ranks import free_port, launcher_env, run_in_group, run_ranks
 pytestmark = pytest.mark.multihost
 WORKER = os.path.join(WORKERS, "elastic_worker.py")
 PROBE = os.path.join(WORKERS, "rendezvous_probe.py")
-FORWARD = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONPATH", "TORCH_EXTENSIONS_DIR", "PATH")
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # torchrun's own new TCPStore for every round (the probe)
+FORWARD = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONPATH", "TORCH_EXTENSIONS_DIR", "PATH", *FRESH_STORE)
 DEADLINE_S = 900  # one test, the slowest part on 2 shared cores being the ranks' start (imports, FusedAdam load)
 
 
