@@ -151,6 +151,7 @@ def test_comm_bench_reports_both_backends():
     assert all(r["median_s"] > 0 for r in rows)
 
 
+@pytest.mark.extended  # several models on one plan: test_many.py on the torch transport
 def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
     for mode in ("stock", "step_many_mpi"):
         mpiexec([os.path.join(WORKERS, "many_worker.py"), str(tmp_path), mode], 2)
@@ -177,6 +178,7 @@ def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
             )
 
 
+@pytest.mark.extended  # the accessors: test_full_tensors.py on the torch transport, emulated CUDA too
 def test_full_tensor_accessors_on_the_mpi_transport(tmp_path):
     """deepspeed.utils' safe_get_full_* / safe_set_full_* (their all-reduce on the mpi transport) at stage 2 with
     the split embedding: stock's values bit for bit, and the same training after the setters."""
