@@ -142,18 +142,11 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
-    "mixtral-8x7b": dict(  # Mixtral-8x7B's config.json: Llama-3-8B's layers with 8 experts per MLP, 2 per token
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-    ),
 }
+# Mixtral-8x7B's config.json: Llama-3-8B's layers, its vocabulary, 8 experts per MLP and 2 per token
+LLAMA_PRESETS["mixtral-8x7b"] = dict(
+    LLAMA_PRESETS["llama3-8b"], vocab_size=32000, num_local_experts=8, num_experts_per_tok=2
+)
 PRESET_NAMES = (*PRESETS, *LLAMA_PRESETS)
 
 

@@ -104,19 +104,23 @@ def test_bf16_masters_with_an_optimizer_not_matched_against_stock_is_refused():
         make({**MASTERS, "bf16_optimizer_states": True}, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
 
 
+def batches() -> torch.Tensor:
+    """Four bf16 batches for the checkpoint tests."""
+    torch.manual_seed(5)
+    return torch.randn(4, 2, 4, dtype=torch.bfloat16)
+
+
+def train(engine, inputs: torch.Tensor) -> None:
+    for x in inputs:
+        engine.backward(engine(x).float().square().sum())
+        engine.step()
+
+
 @pytest.mark.parametrize("zero", [{"stage": 2}, OFFLOAD], ids=["device", "offload"])
 def test_a_bf16_master_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path, zero):
     """Saved and loaded with its bf16 masters and moments: 2 steps, save, a new engine loads, 2 more steps equal
     4 uninterrupted ones."""
-    bf16 = {**MASTERS, "bf16_optimizer_states": True}
-    torch.manual_seed(5)
-    inputs = torch.randn(4, 2, 4, dtype=torch.bfloat16)
-
-    def train(engine, batches) -> None:
-        for x in batches:
-            engine.backward(engine(x).float().square().sum())
-            engine.step()
-
+    bf16, inputs = {**MASTERS, "bf16_optimizer_states": True}, batches()
     whole, _ = make(bf16, zero)
     train(whole, inputs)
     first, _ = make(bf16, zero)
@@ -133,15 +137,7 @@ def test_a_bf16_master_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path, zer
 def test_a_stock_bf16_master_checkpoint_continues_as_stock_continues(tmp_path):
     """Stock ZeRO-2 with bf16 masters and moments saves after 2 steps; stock and ds_tensorshard each load it and
     take 2 more steps: the same parameters, bit for bit, the loaded moments still bf16."""
-    bf16 = {**MASTERS, "bf16_optimizer_states": True}
-    torch.manual_seed(5)
-    inputs = torch.randn(4, 2, 4, dtype=torch.bfloat16)
-
-    def train(engine, batches) -> None:
-        for x in batches:
-            engine.backward(engine(x).float().square().sum())
-            engine.step()
-
+    bf16, inputs = {**MASTERS, "bf16_optimizer_states": True}, batches()
     stock, _ = make(bf16, tensorshard={"enabled": False})
     train(stock, inputs[:2])
     stock.save_checkpoint(str(tmp_path), tag="t")
