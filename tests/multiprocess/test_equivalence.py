@@ -21,7 +21,7 @@ from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_
 WORLDS = (2, 3)
 
 
-@pytest.fixture(scope="module", params=WORLDS)
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])  # 3 ranks: CI time
 def world(request, equivalence_runs):
     return request.param, equivalence_runs(request.param)
 

@@ -28,7 +28,7 @@ EXACT_UP_TO = 2  # world sizes where every value is stock's bit for bit (measure
 LOCAL = ("getter", "state getter", "grad getter", "setter")  # the ZeRO-3-only calls the worker tries
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])  # 3 ranks: CI time
 def runs(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"full{n}")

@@ -42,7 +42,7 @@ def results(output: str) -> list[dict]:
     )
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])  # 3 ranks: CI time
 def mpi_world(request, tmp_path_factory, equivalence_runs):
     """The mpi transport's cases under mpiexec; the others (stock, torch transport) from the same session's
     equivalence runs at that world size."""

@@ -4,7 +4,7 @@ TinyGPT with a 1,024-token vocabulary (its 32,768-element embedding is 55% of th
 (8 ranks behind the ``scale`` marker): the same losses and parameters as stock ZeRO-1/2 with the
 embedding split (``"auto"``) and whole (``"never"``), on both transports, fp32 and bf16; buffers
 bounded by the bucket size; reductions under way before backward reaches the embedding; and
-checkpoints that resume across a change of plan (split <-> whole, 4 <-> 2 ranks; 8 <-> 3 ranks
+checkpoints that resume across a change of plan (split <-> whole, 3 <-> 2 ranks; 8 <-> 3 ranks
 behind the marker), convert to stock ZeRO and to fp32 weights.
 """
 
@@ -19,6 +19,7 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.compare import ACROSS_WORLDS, assert_cases_match
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_cli, run_in_group, run_ranks
+from tests.workers.checkpoint_worker import command
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 VOCAB = {"EQ_VOCAB": "1024"}
@@ -124,39 +125,44 @@ def cli(*args):
 
 @pytest.fixture(scope="module")
 def split_checkpoints(tmp_path_factory):
+    """Three launches: at 2 ranks a save with the embedding whole; at 3 ranks a save with it split (auto) and the
+    2-rank save resumed split; at 2 ranks the 3-rank save resumed whole, and stock ZeRO-2 resuming its conversion."""
     d = tmp_path_factory.mktemp("split_ckpt")
-    runs = {"dir": d}
-    runs["split4"] = train(d / "s4.pt", 4, "--save", d / "c4", "--save-at", 3)  # auto: the embedding split
-    runs["whole2"] = train(d / "w2.pt", 2, "--save", d / "c2", "--save-at", 3, "--split", "never")
-    runs["4to2whole"] = train(d / "l42.pt", 2, "--load", d / "c4", "--split", "never")
-    runs["2to4split"] = train(d / "l24.pt", 4, "--load", d / "c2")
-    cli("convert-checkpoint", d / "c4", d / "c4_as_zero", "--to", "zero", "--world-size", 3)
-    runs["stock_from_split"] = train(d / "lsz.pt", 3, "--load", d / "c4_as_zero", mode="stock")
-    cli("convert-checkpoint", d / "c4", d / "split.fp32.pt", "--to", "fp32")
-    cli("convert-checkpoint", d / "c4_as_zero", d / "zero.fp32.pt", "--to", "fp32")
-    return runs
+
+    def run(name, *extra, mode="ts"):
+        return (d / f"{name}.pt", "fp32", mode, 2, 6, *extra)
+
+    run_ranks(command(run("w2", "--save", d / "c2", "--save-at", 3, "--split", "never")), 2, env=CKPT_ENV)
+    run_ranks(command(run("s3", "--save", d / "c3", "--save-at", 3), run("l23", "--load", d / "c2")), 3, env=CKPT_ENV)
+    cli("convert-checkpoint", d / "c3", d / "c3_as_zero", "--to", "zero", "--world-size", 2)
+    resumed = run("l32", "--load", d / "c3", "--split", "never")
+    run_ranks(command(resumed, run("lsz", "--load", d / "c3_as_zero", mode="stock")), 2, env=CKPT_ENV)
+    cli("convert-checkpoint", d / "c3", d / "split.fp32.pt", "--to", "fp32")
+    cli("convert-checkpoint", d / "c3_as_zero", d / "zero.fp32.pt", "--to", "fp32")
+    names = {"split3": "s3", "whole2": "w2", "3to2whole": "l32", "2to3split": "l23", "stock_from_split": "lsz"}
+    return {"dir": d, **{key: torch.load(d / f"{name}.pt") for key, name in names.items()}}
 
 
 def test_split_checkpoint_is_split_on_disk(split_checkpoints):
     from ds_tensorshard.checkpoints.files import load
 
-    folder = split_checkpoints["dir"] / "c4" / "step3"
+    folder = split_checkpoints["dir"] / "c3" / "step3"
     entries = [
         load(str(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]["tensors"]
-        for r in range(4)
+        for r in range(3)
     ]
     blocks = [e["wte.weight"]["block"] for e in entries if "wte.weight" in e]
     assert len(blocks) >= 2 and sorted(b[0] for b in blocks)[0] == 0
 
 
-@pytest.mark.parametrize("resumed,reference", [("4to2whole", "split4"), ("2to4split", "whole2")])
+@pytest.mark.parametrize("resumed,reference", [("3to2whole", "split3"), ("2to3split", "whole2")])
 def test_resume_across_a_change_of_plan_matches_the_uninterrupted_run(split_checkpoints, resumed, reference):
     assert_continues(split_checkpoints[resumed], split_checkpoints[reference])
 
 
 def test_split_checkpoint_converts_to_stock_zero_and_fp32(split_checkpoints):
     d = split_checkpoints["dir"]
-    assert_continues(split_checkpoints["stock_from_split"], split_checkpoints["split4"])
+    assert_continues(split_checkpoints["stock_from_split"], split_checkpoints["split3"])
     split, zero = torch.load(d / "split.fp32.pt"), torch.load(d / "zero.fp32.pt")
     assert split.keys() == zero.keys() and all(torch.equal(split[k], zero[k]) for k in split)
     from tests.helpers.tiny_gpt import TinyGPT
