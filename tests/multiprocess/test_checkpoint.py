@@ -331,6 +331,7 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
         assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.extended  # CI time: 25.7M parameters at 2 ranks, about 50 s
 def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments); reading
     # every rank's file, or a second copy of one's own, adds at least that much again

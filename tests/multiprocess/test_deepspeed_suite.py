@@ -33,7 +33,7 @@ def run(tmp_path, mode: str, *args: str) -> tuple[str, list[list[str]]]:
     return done.stdout, [[r["kind"], r["detail"]] for r in read_from(str(events), 0)[0]]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.extended), 2])  # stage 1: CI time
 def test_the_plugin_run_forces_ds_tensorshard_on_a_script_that_never_imports_it(tmp_path, stage):
     out, events = run(tmp_path, "plugin", str(stage))
     assert "optimizer: TensorShardOptimizer" in out

@@ -112,6 +112,7 @@ EMULATED_CASES = ["fp32:ts:1", "bf16:ts:2"]
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time
 @pytest.mark.parametrize("runs", [2], indirect=True)
 def test_on_emulated_cuda_every_getter_and_setter_as_on_the_cpu(runs, tmp_path):
     """safe_get_full_* / safe_set_full_* on an emulated CUDA device under NCCL's rules (tests/helpers/

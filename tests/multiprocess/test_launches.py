@@ -43,7 +43,7 @@ STRIPE_COLLECTIVES = {  # reduce-scatter, all-gather, the norm's all-reduce: by 
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=pytest.mark.extended)])  # mpi: CI time
 def test_stripes_launch_one_reduce_scatter_and_one_all_gather_per_bucket(backend):
     """``bucket_layout: "stripes"``: every bucket holds a slot of each rank's tensors, so it moves with one
     reduce-scatter and one all-gather at any world size (3 ranks here: a window would need one per owner)."""

@@ -132,6 +132,7 @@ def test_moe_trains_as_stock(default_runs, world):
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time
 def test_moe_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, default_runs):
     """The expert domains on an emulated CUDA device under NCCL's rules (tests/helpers/emulated_cuda.py): the
     CPU run's losses, norms, parameters and fp32 masters, bit for bit."""

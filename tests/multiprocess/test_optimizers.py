@@ -225,6 +225,7 @@ EMULATED_MUON = [OFFLOADED[1], EARLY[1]]
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time
 @pytest.mark.parametrize("trained", [2], indirect=True)
 def test_offloaded_muon_on_emulated_cuda(trained, tmp_path):
     """DeepSpeed's Muon with ZeRO-Offload on an emulated CUDA device under NCCL's rules (tests/helpers/
@@ -306,6 +307,7 @@ def resumes(tmp_path_factory) -> dict:
     return {"runs": found, "saves": {n: d / n for n in names}}
 
 
+@pytest.mark.extended  # CI time: an Adam save resumed at another world size stays (test_checkpoint.py)
 @pytest.mark.parametrize("name", RESUMED)
 def test_state_resumes_exactly_and_at_another_world_size(resumes, name):
     """Resumed at the saving world size: bit for bit. At another world size the gradients are summed in
@@ -331,6 +333,7 @@ def assert_lands_as_close(resumed: dict, reference: dict, other: dict) -> None:
         assert (resumed["params"][key] - value).abs().max().item() <= limit, key
 
 
+@pytest.mark.extended  # CI time: an Adam save resumed at another world size stays (test_checkpoint.py)
 def test_offloaded_muon_saves_the_same_state_and_resumes_at_another_world_size(resumes):
     """Muon with ZeRO-Offload (momentum and Adam moments in host memory) trains and saves as the run without
     offload does, bit for bit, and its save resumes at 3 ranks, with offload, as the run without offload resumes
@@ -349,6 +352,7 @@ def assert_same_training_from(ours: dict, reference: dict) -> None:
     assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items())
 
 
+@pytest.mark.extended  # CI time: an Adam save resumed at another world size stays (test_checkpoint.py)
 def test_elementwise_state_converts_to_and_from_stock_zero(resumes):
     runs = resumes["runs"]
     assert_continues(runs["adagrad", "stock"], runs["adagrad", "saving"], TOLERANCE["fp32"])
@@ -356,6 +360,7 @@ def test_elementwise_state_converts_to_and_from_stock_zero(resumes):
     assert_continues(runs["adagrad", "back"], runs["adagrad", "saving"], TOLERANCE["fp32"])
 
 
+@pytest.mark.extended  # CI time: an Adam save resumed at another world size stays (test_checkpoint.py)
 def test_factored_state_is_refused_by_the_stock_conversion_naming_it(tmp_path, resumes):
     proc = run_cli("convert-checkpoint", resumes["saves"]["adafactor"], tmp_path / "z", "--to", "zero")
     assert proc.returncode == 2 and "optimizer state 'row_var'" in proc.stderr, proc.stderr

@@ -40,6 +40,7 @@ def test_bar_on_a_terminal_and_silent_in_a_pipe():
     assert rc == 0 and "work" not in off and "finished" in off, off
 
 
+@pytest.mark.extended  # CI time: the bench's bar on a terminal stays in the default suite
 def test_convert_checkpoint_progress_on_a_terminal_only(tmp_path, single_rank_world):
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, seq=16)
