@@ -1,10 +1,10 @@
-"""No silent divergence, with real ranks (3 ranks, gloo; see feature_worker.py): no_sync at stage 1, fp16
+"""No silent divergence, with real ranks (2 ranks, gloo; see feature_worker.py): no_sync at stage 1, fp16
 stage 1 loss-scale trajectory over 32 steps with overflows, communication_data_type fp32 for bf16, bf16 with
 fp32 gradient accumulation at stage 1 (stock: BF16_Optimizer), a zero-element parameter,
 gradient_predivide_factor, prescale_gradients, reduce_scatter false, contiguous_gradients false, two
 backwards in a micro-step, activation checkpointing (torch's non-reentrant and reentrant, DeepSpeed's) and
 engine.compile() (aot_eager; inductor behind -m extended); and the global norm's memory (a subprocess).
-At 2 ranks, in one launch: the DeepSpeed 0.17-0.19 keys ds_tensorshard follows (gradient_allreduce_op
+In a second launch: the DeepSpeed 0.17-0.19 keys ds_tensorshard follows (gradient_allreduce_op
 "sum", managed_gradient_accumulation false, torch_autocast bf16, engine.coalesce_grad_reduction()) and PyTorch-style
 backward (loss.backward() and engine.step(); fp16 through engine.scale(loss)) at stages 1 and 2.
 """
@@ -31,7 +31,7 @@ from tests.workers.feature_worker import (
     UNMANAGED_MICRO_STEPS,
 )
 
-WORLD = 3
+WORLD = 2  # 3 ranks on 2 cores cost a third more (CI time); the 3-rank summation order: test_equivalence[3]
 
 
 def launch(tmp_path_factory, name: str, scenarios, world: int):
@@ -126,9 +126,10 @@ def test_offloaded_updates_start_early_at_stage_1(tmp_path_factory):
 
 
 def test_fp16_stage1_follows_stocks_loss_scale_through_overflows(features):
-    """32 steps: the scale trajectory and the skipped steps are stock's exactly; over that many fp16 steps at
-    3 ranks the other summation order moves losses by up to 1.8e-4 and parameters by up to 1.6 peak-lr steps
-    (measured), so they are held to 1e-3 and two lr steps (at 2 ranks the run is bit-identical)."""
+    """32 steps: the scale trajectory and the skipped steps are stock's exactly; losses within 1e-3 and
+    parameters within two lr steps: at 2 ranks the run is bit-identical, at 3 ranks (the launch this test had
+    before) the other summation order moved losses by up to 1.8e-4 and parameters by up to 1.6 peak-lr steps
+    over that many fp16 steps (measured)."""
     for rank in range(WORLD):
         ours, stock = features("fp16_stage1_scale:ts", rank), features("fp16_stage1_scale:stock", rank)
         assert len(ours["loss_scales"]) == 64  # 32 steps x GAS 2

@@ -3,8 +3,8 @@
 Element-wise optimizers (Adagrad, SGD, RMSprop from the config; a client Lion) must match stock ZeRO-1/2.
 Optimizers that need whole matrices (DeepSpeed's Muon with its auxiliary Adam, torch's Adafactor, a
 client LAMB, torch's Muon) must match the unsharded reference, stock stage 0 with the same optimizer,
-which stock ZeRO-2 does not (see docs/optimizers.md). At 2 ranks (3 ranks: -m extended), fp32 and bf16, GAS 2,
-clipping 1.0.
+which stock ZeRO-2 does not (see docs/optimizers.md). At 2 ranks (3 ranks: -m extended), fp32 and bf16
+(bf16: -m extended), GAS 2, clipping 1.0.
 Every optimizer's state exists only for owned tensors, and its checkpoint resumes at another world size.
 DeepSpeed's Muon with ZeRO-Offload must be the same training as without it.
 """
@@ -57,21 +57,39 @@ OFFLOADED = [f"muon:fp32:ts-offload:{stage}" for stage in (1, 2)]
 EARLY = ["muon:bf16:ts:2:early", "muon:bf16:ts-offload:2:early"]
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])
-def trained(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"optim{n}")
+def launch(out, n: int, found: list[str]):
+    """optim_worker.py's cases ``found`` at ``n`` ranks; ``(n, load(case, rank))``."""
     # the half-precision Newton-Schulz cases last: the worker recompiles Newton-Schulz once, between the kinds
-    offloaded = OFFLOADED + EARLY if n == 2 else []
-    ordered = sorted(cases("fp32") + cases("bf16") + offloaded, key=lambda case: case.startswith("muonhalf:"))
+    ordered = sorted(found, key=lambda case: case.startswith("muonhalf:"))
     run_ranks([os.path.join(WORKERS, "optim_worker.py"), str(out), *ordered], n)
     return n, lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.extended)])
+def trained(request, tmp_path_factory):
+    """The fp32 cases (and at 2 ranks the offloaded Muon's) at 2 ranks, and at 3 (-m extended)."""
+    n = request.param
+    return launch(tmp_path_factory.mktemp(f"optim{n}"), n, cases("fp32") + (OFFLOADED + EARLY if n == 2 else []))
+
+
+@pytest.fixture(scope="module")
+def trained_bf16(trained, tmp_path_factory):
+    """The bf16 cases at the world size of ``trained``: the tests that read them are -m extended (CI time)."""
+    n = trained[0]
+    return launch(tmp_path_factory.mktemp(f"optim{n}_bf16"), n, cases("bf16"))
+
+
+def runs_of(request, trained, dtype: str):
+    return trained if dtype == "fp32" else request.getfixturevalue("trained_bf16")
+
+
+DTYPES = ["fp32", pytest.param("bf16", marks=pytest.mark.extended)]
+
+
 @pytest.mark.parametrize("name", ELEMENTWISE)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_elementwise_optimizer_matches_stock_zero(trained, name, dtype):
-    n, load = trained
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_optimizer_matches_stock_zero(request, trained, name, dtype):
+    n, load = runs_of(request, trained, dtype)
     for stage in (1, 2):
         for rank in range(n):
             ours, stock = load(f"{name}:{dtype}:ts:{stage}", rank), load(f"{name}:{dtype}:stock:{stage}", rank)
@@ -101,9 +119,9 @@ def _bound(load, name: str, dtype: str, n: int) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("name", WHOLE_MATRIX)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_whole_matrix_optimizer_matches_the_unsharded_reference(trained, name, dtype):
-    n, load = trained
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_whole_matrix_optimizer_matches_the_unsharded_reference(request, trained, name, dtype):
+    n, load = runs_of(request, trained, dtype)
     reference = f"{name}:{dtype}:stock:0"
     for stage in (1, 2):
         where = f"{name} {dtype} stage {stage} vs stage 0"
