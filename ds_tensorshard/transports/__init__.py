@@ -1,5 +1,6 @@
 """The transports the data path's collectives run on: the protocol, torch (deepspeed.comm), mpi (mpi4py),
-the deadline every wait has, the order of the job's end (shutdown) and a store per torchrun round (elastic_store)."""
+the deadline every wait has, the order of the job's end (shutdown), an aborting rank's output read before it
+aborts (pipes) and a store per torchrun round (elastic_store)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ pinned host memory otherwise (warned once). The MPI processes must be the torch.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -23,6 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from ds_tensorshard.errors import CollectiveTimeout, TensorShardConfigError
+from ds_tensorshard.transports import shutdown
 from ds_tensorshard.transports.deadline import wait_with_deadline
 from ds_tensorshard.transports.protocol import Pending, Span, all_of
 
@@ -116,10 +116,7 @@ class MpiComm:
     def fail(self, message: str) -> NoReturn:
         """Log ``message`` and abort the whole MPI job, so that mpiexec returns (a stuck peer never would)."""
         logger.error(message)
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        _mpi().COMM_WORLD.Abort(1)
-        raise CollectiveTimeout(message)  # not reached
+        shutdown.fail(message, mpi=True)
 
     # -- buffers ------------------------------------------------------------------------------
     def _spec(self, tensor: torch.Tensor):

@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 
 from ds_tensorshard.errors import CollectiveTimeout, PeerLost
 from ds_tensorshard.transports.deadline import GRACE_S, missing_ranks, wait_with_deadline
+from ds_tensorshard.transports.pipes import wait_until_read
 
 _registered: list[Any] = []  # the transports opened in this process
 
@@ -101,13 +102,15 @@ def _mpi_rank() -> int:
 
 def fail(message: str, mpi: bool) -> NoReturn:
     """Print ``message`` and end this rank without waiting for anyone: under MPI the whole job (``Abort``, so that
-    mpiexec returns), else this process with exit status 1."""
+    mpiexec returns; once the launcher has read the message, which mpiexec drops otherwise:
+    :mod:`~ds_tensorshard.transports.pipes`), else this process with exit status 1."""
     sys.stderr.write(message + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
     if mpi:
         from mpi4py import MPI
 
+        wait_until_read()
         MPI.COMM_WORLD.Abort(1)
     os._exit(1)
 

@@ -3,6 +3,7 @@ diagnosed), and on an accelerator the watchdog keeps the deadline of collectives
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -12,6 +13,7 @@ import torch
 from ds_tensorshard.errors import CollectiveTimeout
 from ds_tensorshard.transports import deadline
 from ds_tensorshard.transports.deadline import is_timeout
+from ds_tensorshard.transports.pipes import unread_bytes, wait_until_read
 from ds_tensorshard.transports.protocol import Pending
 from ds_tensorshard.transports.torch_comm import _completed
 from ds_tensorshard.transports.watchdog import POLL_S, Watchdog
@@ -131,3 +133,27 @@ def test_the_watchdog_stops_at_the_jobs_end_letting_go_of_its_works():
     assert not thread.is_alive() and watchdog.entries == [] and watchdog.thread is None
     time.sleep(Comm.timeout_s + 3 * POLL_S)
     assert statuses == []
+
+
+def test_an_aborting_rank_waits_until_its_output_pipe_is_read_at_most_its_timeout(tmp_path):
+    """MPICH's mpiexec drops a rank's output still in its pipe when the rank aborts (transports/pipes.py): the
+    rank waits until its pipes are read, and no longer than the timeout when nobody reads them."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"ds_tensorshard: the diagnosis\n")
+        assert unread_bytes(write_end) == unread_bytes(read_end) == 30
+        started = time.monotonic()
+        assert not wait_until_read(0.2, fds=(write_end,))
+        assert 0.2 <= time.monotonic() - started < 2
+        reader = threading.Timer(0.1, os.read, (read_end, 100))
+        reader.start()
+        assert wait_until_read(5.0, fds=(write_end,))
+        reader.join()
+        assert unread_bytes(write_end) == 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with open(tmp_path / "log", "w") as file:  # a file (or a terminal) loses nothing: no wait
+        file.write("x")
+        file.flush()
+        assert unread_bytes(file.fileno()) == 0 and wait_until_read(0.0, fds=(file.fileno(),))
