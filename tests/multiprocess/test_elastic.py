@@ -145,6 +145,13 @@ def latest_step(save: Path) -> int:
     return int(tag.removeprefix("step"))
 
 
+def lose_host_after_step_3(a: Agent, b: Agent, save: Path, deadline: float) -> float:
+    """Wait for the save after step 3, then lose host B (its agent and workers killed); when it was lost."""
+    wait_for("the save after step 3", lambda: latest_step(save) >= 3, deadline, [a, b])
+    b.kill_host()
+    return time.monotonic()
+
+
 def starts(log: Path) -> list[dict]:
     return [r for r in records(log) if r["event"] == "start"]
 
@@ -214,9 +221,7 @@ def test_lost_host_resumes_at_2_with_torchruns_defaults(hosts, tmp_path, uninter
     deadline = time.monotonic() + DEADLINE_S
     a, b, _, _ = start_group(hosts, tmp_path, "ts", steps, 3, "--step-sleep", "1")
     try:
-        wait_for("the save after step 3", lambda: latest_step(save) >= 3, deadline, [a, b])
-        b.kill_host()
-        killed = time.monotonic()
+        killed = lose_host_after_step_3(a, b, save, deadline)
         b.wait(deadline)
         assert a.wait(deadline) == 0, a.text()[-5000:]
     finally:
@@ -245,9 +250,7 @@ def test_lost_host_resumes_at_2_then_at_4_when_it_returns(hosts, tmp_path, unint
     a, b, cmd, env = start_group(hosts, tmp_path, "ts", steps, 3, "--step-sleep", "1", fresh=True)
     agents = [a, b]
     try:
-        wait_for("the save after step 3", lambda: latest_step(save) >= 3, deadline, [a, b])
-        b.kill_host()
-        killed = time.monotonic()
+        killed = lose_host_after_step_3(a, b, save, deadline)
         b.wait(deadline)
         agents = [a]
         resumed = wait_for(
@@ -342,9 +345,7 @@ def test_stock_zero2_under_the_same_driver(hosts, tmp_path):
     deadline = time.monotonic() + DEADLINE_S
     a, b, _, _ = start_group(hosts, tmp_path, "stock", steps, 2, "--step-sleep", "1")
     try:
-        wait_for("the save after step 3", lambda: latest_step(save) >= 3, deadline, [a, b])
-        b.kill_host()
-        killed = time.monotonic()
+        killed = lose_host_after_step_3(a, b, save, deadline)
         code = a.wait(deadline)
     finally:
         a.stop()
