@@ -169,7 +169,8 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
     choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
     if choice.layout == "stripes":
-        cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes)
+        under = choice.routes.reduce_below  # on accelerators the same both ways
+        cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under)
         buckets, largest = (cost.launches - 1) // 2, choice.bucket_numel
         padding, padding_per_step = stripes_padding(owned, choice.bucket_numel)
     else:
@@ -185,6 +186,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
             "largest_buffer": largest,
             **asdict(cost),
             "time_ratio": cost.seconds / stock.seconds if stock.seconds else 1.0,
+            "all_reduce_below_bytes": choice.routes.reduce_below if choice.layout == "stripes" else 0.0,
             "padding_bytes": padding * element_bytes,
             "padding_bytes_per_step": padding_per_step * element_bytes,
             "why": choice.why,
@@ -205,7 +207,10 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
             "ds_tensorshard, one launch per bucket and direction (mpi; NCCL grouped, not built)",
             comm["tensorshard_grouped"],
         ),
-        ("ds_tensorshard, stripes (a reduce-scatter and an all-gather per bucket)", comm["tensorshard_stripes"]),
+        (
+            "ds_tensorshard, stripes (per bucket a reduce-scatter and an all-gather, or all-reduces where faster)",
+            comm["tensorshard_stripes"],
+        ),
         ("stock ZeRO-2 at that bucket size (all-reduce per bucket, one all-gather)", comm["stock_zero2"]),
     ]
     lines = [

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 class Broadcast:
-    """Every owner's segment of a bucket to every rank (a stripe: one all-gather; a window: one broadcast per
-    owner present), at most
+    """Every owner's segment of a bucket to every rank (a stripe: one all-gather, or where its routes say one
+    all-reduce with every other slot -0.0, which adds nothing to any value, a zero's sign kept; a window: one
+    broadcast per owner present), at most
     ``IN_FLIGHT`` buckets under way, the first ones started on creation; :meth:`finish` writes every owner's
     updated pieces into every rank's model. ``update(index, bucket)`` (ZeRO-Offload) updates this rank's tensors
     in a bucket just before the bucket is sent, so that later buckets are updated while earlier ones are broadcast."""
@@ -43,14 +44,7 @@ class Broadcast:
             index, bucket = self.todo.popleft()
             if self.update is not None:
                 self.update(index, bucket)  # index: the buckets sent before this one
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-            mine = bucket.segment_of(self.comm.rank)
-            if mine is not None:
-                torch.cat(bucket.model_views(mine), out=flat[mine.offset : mine.offset + mine.numel])
-            if bucket.slot:
-                pending = self.comm.start_all_gather(flat, bucket.slot)
-            else:
-                pending = self.comm.start_broadcast_segments(flat, bucket.spans)
+            flat, pending = start_gather(bucket, self.comm)
             pending.describe_as(functools.partial(self.describe, index, bucket, "broadcast"))
             self.in_flight.append((index, bucket, flat, pending))
 
@@ -64,6 +58,23 @@ class Broadcast:
                     received = flat[segment.offset : segment.offset + segment.numel]
                     torch._foreach_copy_(bucket.model_views(segment), list(received.split(segment.sizes)))
             self._fill()
+
+
+def start_gather(bucket: Bucket, comm: Transport) -> tuple[torch.Tensor, Pending]:
+    """The bucket's flat buffer with this rank's segment in place, and the collective bringing in the others'."""
+    by_all_reduce = bucket.by_all_reduce[1]
+    if by_all_reduce:
+        flat = torch.full((bucket.numel,), -0.0, dtype=bucket.dtype, device=bucket.device)
+    else:
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+    mine = bucket.segment_of(comm.rank)
+    if mine is not None:
+        torch.cat(bucket.model_views(mine), out=flat[mine.offset : mine.offset + mine.numel])
+    if by_all_reduce:
+        return flat, comm.start_all_reduce(flat)
+    if bucket.slot:
+        return flat, comm.start_all_gather(flat, bucket.slot)
+    return flat, comm.start_broadcast_segments(flat, bucket.spans)
 
 
 def broadcast_buckets(

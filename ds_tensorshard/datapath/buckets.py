@@ -78,6 +78,9 @@ class Bucket:
     slot: int = 0
     """A stripe's elements per rank (:func:`build_stripes`): segment ``r`` at ``r x slot``, padded to it, so the
     bucket moves with one reduce-scatter and one all-gather; 0: a window, segments back to back."""
+    by_all_reduce: tuple[bool, bool] = (False, False)
+    """A stripe's (reduction, gather) each as one all-reduce of the whole stripe instead of its reduce-scatter,
+    its all-gather (:class:`~ds_tensorshard.datapath.defaults.StripeRoutes`)."""
     _views: dict = field(default_factory=dict, compare=False, repr=False)  # owner -> (storages, model views)
 
     @property
@@ -193,11 +196,14 @@ def build_stripes(
     bucket_numel: int,
     world_size: int,
     comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None] = lambda param: None,
+    routes: Callable[[int], tuple[bool, bool]] = lambda nbytes: (False, False),
 ) -> list[Bucket]:
     """Buckets as stripes across the ranks: per dtype and communication dtype, each rank's owned units (in
     ``params``' backward order) form its own stream, and bucket ``k`` holds elements ``[k x slot, (k + 1) x
     slot)`` of every rank's stream, ``slot = bucket_numel // world_size`` (the last bucket as much as the
-    fullest rank has left). Ownership is the plan's; a unit crossing a slot boundary travels in two pieces."""
+    fullest rank has left). Ownership is the plan's; a unit crossing a slot boundary travels in two pieces.
+    ``routes(nbytes)`` says which of a stripe's collectives go as all-reduces (``Bucket.by_all_reduce``), by its
+    size in its communication dtype (else its own)."""
     streams: dict[tuple[torch.dtype, torch.dtype | None], list[list[_Unit]]] = {}
     for param in params:
         for block in blocks_of(param):
@@ -228,8 +234,8 @@ def build_stripes(
                 if pieces:
                     segments.append(Segment(rank, rank * slot, numel, tuple(pieces)))
                     members.update((id(p.param), p.param) for p in pieces)
-            device = segments[0].pieces[0].param.device
-            buckets.append(
-                Bucket(dtype, device, tuple(segments), world_size * slot, tuple(members.values()), comm_dtype, slot)
-            )
+            device, numel = segments[0].pieces[0].param.device, world_size * slot
+            by_all_reduce = routes(numel * (comm_dtype or dtype).itemsize)
+            members_ = tuple(members.values())
+            buckets.append(Bucket(dtype, device, tuple(segments), numel, members_, comm_dtype, slot, by_all_reduce))
     return buckets

@@ -12,9 +12,11 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 - ``tensorshard_grouped``: the same collectives, one launch per bucket and direction (a reduce-scatter
   and an all-gather with per-rank counts, or NCCL group calls: one chain latency, the bucket's bytes; built so
   far only for the reduction, the mpi transport's ``Ireduce_scatter``);
-- ``tensorshard_stripes``: ``bucket_layout: "stripes"``, one reduce-scatter and one all-gather per bucket over
-  every rank's slot (padded to the fullest rank's); :func:`stripes_fit` gives the bucket size with the most
-  buckets (the smallest flat buffers) whose time stays within a limit (``datapath/defaults.py`` sets it);
+- ``tensorshard_stripes``: ``bucket_layout: "stripes"``, per bucket over every rank's slot (padded to the
+  fullest rank's) one reduce-scatter and one all-gather, or in either direction one all-reduce of the whole
+  bucket where the model prices that faster (:func:`stripe_collective`); :func:`stripes_fit` gives the bucket
+  size with the most buckets (the smallest flat buffers) whose time stays within a limit
+  (``datapath/defaults.py`` sets it);
 - ``stock_zero2``: DeepSpeed 0.19.8's ``stage_1_and_2.py`` at its defaults (``reduce_scatter`` and
   ``use_multi_rank_bucket_allreduce`` true): the gradients of whole parameters fill a bucket up to
   ``reduce_bucket_size`` (one larger than that is its own bucket), each bucket is cut at the partition
@@ -99,6 +101,22 @@ def all_gather(size: float, n: int, net: Network) -> Time:
     return ((n - 1) * net.alpha, (n - 1) / n * size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
 
 
+def stripe_collective(size: float, n: int, net: Network) -> Time:
+    """One direction of a stripe of ``size`` bytes: its ring reduce-scatter (or all-gather), or one all-reduce of
+    the whole stripe where that is faster (the tree's 2 log2(n) hops against the ring's n - 1, for twice the
+    bytes: small stripes at many ranks; :func:`all_reduce_below`)."""
+    return min(all_gather(size, n, net), all_reduce(size, n, net), key=sum)
+
+
+def all_reduce_below(n: int, net: Network) -> float:
+    """The stripe size in bytes under which :func:`stripe_collective` takes the all-reduce: where the tree's
+    ``2 c alpha + 2 S / B`` (``c = ceil(log2 n)``) is below the ring's ``(n - 1) alpha + (n - 1) / n x S / B``,
+    ``S < alpha B (n - 1 - 2 c) n / (n + 1)``; 0 where the ring is never slower (up to 7 ranks)."""
+    if n < 2:
+        return 0.0
+    return max(0.0, net.alpha * net.bandwidth(n) * (n - 1 - 2 * math.ceil(math.log2(n))) * n / (n + 1))
+
+
 def rooted(size: float, n: int, net: Network) -> Time:
     """A reduce to, or broadcast from, one rank: a pipelined chain over the ring (NCCL has no tree for these)."""
     return ((n - 1) * net.alpha, size / net.bandwidth(n)) if n > 1 else (0.0, 0.0)
@@ -134,15 +152,23 @@ def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, el
     return _cost([*per_bucket, *per_bucket, _norm(n, net)])
 
 
-def tensorshard_stripes_cost(fullest: int, n: int, bucket_numel: int, net: Network, element_bytes: int) -> Cost:
+def tensorshard_stripes_cost(
+    fullest: int, n: int, bucket_numel: int, net: Network, element_bytes: int, all_reduce_under: float | None = None
+) -> Cost:
     """Stripes of ``bucket_numel`` over a fullest rank of ``fullest`` elements (``build_stripes``: slots of
-    ``bucket_numel // n``, the last one the rest): one ring reduce-scatter and one ring all-gather of each
-    stripe's ``n x slot`` elements, counted in closed form (a small bucket at many ranks is many stripes)."""
+    ``bucket_numel // n``, the last one the rest): each stripe's ``n x slot`` elements reduced and gathered by
+    :func:`stripe_collective` (a ring reduce-scatter and all-gather, or all-reduces), counted in closed form (a
+    small bucket at many ranks is many stripes). ``all_reduce_under``: the stripe size in bytes under which a run
+    takes the all-reduces, where it chose on another network than ``net``."""
     slot = max(1, bucket_numel // n)
     full, rest = divmod(fullest, slot)
-    per = [
-        (count, all_gather(n * width * element_bytes, n, net)) for count, width in ((full, slot), (int(rest > 0), rest))
-    ]
+
+    def collective(size: float) -> Time:
+        if all_reduce_under is None:
+            return stripe_collective(size, n, net)
+        return all_reduce(size, n, net) if size < all_reduce_under else all_gather(size, n, net)
+
+    per = [(count, collective(n * width * element_bytes)) for count, width in ((full, slot), (int(rest > 0), rest))]
     norm = _norm(n, net)
     return Cost(
         2 * (full + int(rest > 0)) + 1,

@@ -25,6 +25,8 @@ all-gathers the 8e8 (3.18 ms) and all-reduces the norm (0.06 ms): 9.73 ms. K str
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +38,7 @@ from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,
     STOCK_REDUCE_BUCKET,
     Network,
+    all_reduce_below,
     stock_zero2_cost,
     stripes_fit,
     tensorshard_stripes_cost,
@@ -50,7 +53,45 @@ TARGET = 0.9  # stripes on accelerators: the most buckets whose predicted time i
 # at every size measured); "ds-tensorshard bench --configs ts_torch_windows ts_torch_stripes ts_mpi_windows
 # ts_mpi_stripes" at 2 and 4 ranks, 6 runs each (docs/performance.md, "Bucket layout on CPU ranks, measured")
 STRIPES_ON_CPU_FROM: dict[str, int | None] = {"torch": None, "mpi": 4}
+# On CPU ranks, below how many ranks a stripe measured faster as one all-reduce than as a reduce-scatter / an
+# all-gather, per comm_backend and direction: gloo's all-reduce beat its reduce-scatter at 2, 3 and 4 ranks
+# (1.2-2.5x, 4M and 16M fp32 elements) and its all-gather at 2 only; MPI's Ireduce_scatter_block and Iallgather
+# are kept (docs/performance.md, "Stripes by all-reduce")
+ALL_REDUCE_ON_CPU_BELOW: dict[str, tuple[float, int]] = {"torch": (math.inf, 3), "mpi": (0, 0)}
 Layout = Literal["windows", "stripes"]
+
+
+@dataclass(frozen=True)
+class StripeRoutes:
+    """Which of a stripe's two collectives travel as one all-reduce of the whole stripe instead of a reduce-scatter
+    (``reduce_below``) or an all-gather (``gather_below``): those of stripes smaller than that many bytes."""
+
+    reduce_below: float = 0.0
+    gather_below: float = 0.0
+
+    def of(self, nbytes: int) -> tuple[bool, bool]:
+        """(reduce by all-reduce, gather by all-reduce) for a stripe of ``nbytes``."""
+        return nbytes < self.reduce_below, nbytes < self.gather_below
+
+    @classmethod
+    def for_wire(cls, wire: Wire, world_size: int) -> StripeRoutes:
+        """CPU ranks: as measured (:data:`ALL_REDUCE_ON_CPU_BELOW`); accelerators: by the cost model on its default
+        network (:func:`~ds_tensorshard.datapath.cost_model.all_reduce_below`, the same size both ways)."""
+        if wire.on_cpu:
+            reduce_ranks, gather_ranks = ALL_REDUCE_ON_CPU_BELOW[wire.comm_backend]
+            return cls(math.inf if world_size < reduce_ranks else 0.0, math.inf if world_size < gather_ranks else 0.0)
+        below = all_reduce_below(world_size, DEFAULT_NETWORK)
+        return cls(below, below)
+
+    def describe(self) -> str:
+        """In words, for the start-up line."""
+        parts = [
+            "all-reduce" + ("" if limit == math.inf else f" below {limit / 2**20:,.1f} MiB, else {ring}")
+            if limit
+            else ring
+            for limit, ring in ((self.reduce_below, "reduce-scatter"), (self.gather_below, "all-gather"))
+        ]
+        return f"reduced by {parts[0]}, gathered by {parts[1]}"
 
 
 def measured_on_cpu(comm_backend: str, world_size: int) -> Layout:
@@ -66,6 +107,8 @@ class LayoutChoice:
     layout: Layout
     bucket_numel: int
     why: str
+    routes: StripeRoutes = StripeRoutes()
+    """Stripes only: which of their collectives travel as all-reduces."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +155,23 @@ def choose_layout(
     element_bytes: int,
 ) -> LayoutChoice:
     """The layout and bucket size of a run whose data-parallel group has ranks owning ``owned`` elements each, of
-    tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire."""
+    tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire; stripes with
+    their collectives (:meth:`StripeRoutes.for_wire`)."""
+    choice = _layout_and_size(config, param_dict, wire, numels, owned, element_bytes)
+    if choice.layout == "windows":
+        return choice
+    routes = StripeRoutes.for_wire(wire, len(owned))
+    return dataclasses.replace(choice, why=f"{choice.why}; {routes.describe()}", routes=routes)
+
+
+def _layout_and_size(
+    config: TensorShardConfig,
+    param_dict: Mapping[str, Any],
+    wire: Wire,
+    numels: Sequence[int],
+    owned: Sequence[int],
+    element_bytes: int,
+) -> LayoutChoice:
     size, size_key = requested_bucket_numel(config, param_dict)
     layout = None if config.bucket_layout == "auto" else config.bucket_layout
     if layout is not None and size is not None:

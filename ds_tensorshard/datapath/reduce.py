@@ -75,8 +75,8 @@ def start_reduce(
     gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
 ) -> Pending:
     """Pack the bucket's gradients (missing ones count as zeros) and start their reduction onto the owners
-    present (a stripe: one reduce-scatter; a window: one operation where the transport groups them, else one
-    reduce per owner).
+    present (a stripe: one reduce-scatter, or one all-reduce where its routes say; a window: one operation where
+    the transport groups them, else one reduce per owner).
 
     The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
     flat buffer goes when the reduction is done), or None where this rank owns nothing in the bucket.
@@ -86,7 +86,9 @@ def start_reduce(
         flat.div_(averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
-    if bucket.slot:
+    if bucket.by_all_reduce[0]:
+        pending = comm.start_all_reduce(flat)
+    elif bucket.slot:
         pending = comm.start_reduce_scatter(flat, bucket.slot)
     else:
         pending = comm.start_reduce_segments(flat, bucket.spans)

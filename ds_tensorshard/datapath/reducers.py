@@ -51,7 +51,8 @@ def start_reducers(
     def build(domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
         blocks_of, numel = domain.plan.blocks_of, layout.bucket_numel
         if layout.layout == "stripes":
-            buckets = build_stripes(backward_order, blocks_of, numel, domain.comm.world_size, comm_dtype_of)
+            n = domain.comm.world_size
+            buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, layout.routes.of)
         else:
             buckets = build_buckets(backward_order, blocks_of, numel, comm_dtype_of)
         if early is not None:

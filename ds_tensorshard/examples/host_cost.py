@@ -52,6 +52,9 @@ class InstantComm:
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
         return Pending(lambda: None)
 
+    def start_all_reduce(self, flat: torch.Tensor) -> Pending:
+        return Pending(lambda: None)
+
     def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         return None
 

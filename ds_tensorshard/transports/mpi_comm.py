@@ -236,6 +236,13 @@ class MpiComm:
         request = self.mpi.Iallgather(self._spec(mine), self._spec(host))
         return Pending(self._completion(request, f"all-gather of {self.world_size} slots", host, flat, True), mine)
 
+    def start_all_reduce(self, flat: torch.Tensor) -> Pending:
+        MPI = _mpi()
+        host = self._host(flat, summed=True)
+        op = _sum16(host.dtype) if host.dtype in _HALF else MPI.SUM
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, self._spec(host), op=op)
+        return Pending(self._completion(request, f"all-reduce of {flat.numel():,} elements", host, flat, True), host)
+
     def _completion(
         self, request: Any, what: str, host: torch.Tensor, tensor: torch.Tensor, received: bool
     ) -> Callable[[], None]:

@@ -96,6 +96,9 @@ class Transport(Protocol):
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
         """Start copying each rank's slot of its ``flat`` into that slot of every rank's ``flat``."""
 
+    def start_all_reduce(self, flat: torch.Tensor) -> Pending:
+        """Start summing ``flat`` over ranks into every rank's ``flat`` (a stripe reduced or gathered whole)."""
+
     def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         """Sum ``tensor`` over ranks, in place, on every rank (complete in stream order); ``where`` names what
         for (see :attr:`Pending.where`)."""

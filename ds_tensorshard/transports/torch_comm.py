@@ -2,8 +2,9 @@
 
 A window's reduces (or broadcasts) are one collective per owner present (deepspeed.comm); a stripe moves with one
 reduce-scatter and one all-gather (torch's ``reduce_scatter_single`` / ``all_gather_single``, the
-``*_tensor`` names before torch 2.13). gloo cannot group them (it reports no coalescing support; its
-``reduce_scatter`` is one all-reduce per rank, its ``all_gather`` takes equal sizes only).
+``*_tensor`` names before torch 2.13), or with all-reduces where its routes say. gloo cannot group them (it
+reports no coalescing support; its ``reduce_scatter`` is one all-reduce per rank, its ``all_gather`` takes equal
+sizes only).
 
 On an accelerator a collective completes in stream order (``work.wait()``: the current stream waits for it,
 the host goes on) and :class:`~ds_tensorshard.transports.watchdog.Watchdog` keeps its deadline; on the CPU
@@ -80,6 +81,10 @@ class TorchComm:
         mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()
         work = getattr(tdist, ALL_GATHER)(flat, mine, group=self.group, async_op=True)
         return self._pending(work, f"all-gather of {self.world_size} slots", flat, mine)
+
+    def start_all_reduce(self, flat: torch.Tensor) -> Pending:
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        return self._pending(work, f"all-reduce of {flat.numel():,} elements", flat)
 
     def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         pending = self._pending(dist.all_reduce(tensor, group=self.group, async_op=True), "all-reduce", tensor)

@@ -74,6 +74,17 @@ def test_stripes_pad_a_rank_whose_stream_ran_out_with_zeros():
     assert buckets[0].pack(lambda p: p.grad).tolist() == [1, 1, 1, 1, 7, 7, 0, 0]
 
 
+def test_each_stripe_takes_the_routes_of_its_size_in_its_communication_dtype():
+    a, b = params((10,), (2,))
+    sizes = []
+    routes = lambda nbytes: (sizes.append(nbytes) or nbytes < 32, nbytes < 16)  # noqa: E731
+    buckets = build_stripes([a, b], whole({id(a): 0, id(b): 1}), 8, 2, lambda p: torch.bfloat16, routes)
+    # stripes of 8, 8 and 4 bf16 elements: 16, 16 and 8 bytes
+    assert sizes == [16, 16, 8]
+    assert [bk.by_all_reduce for bk in buckets] == [(True, False), (True, False), (True, True)]
+    assert build_stripes([a, b], whole({id(a): 0, id(b): 1}), 8, 2)[0].by_all_reduce == (False, False)
+
+
 def test_buckets_are_bounded_windows_in_backward_order_grouped_by_owner_per_dtype():
     ps = params((10,), (20,), (5,), (30,), (7,), (6,)) + params((4,), dtype=torch.bfloat16)
     owners = {id(p): rank for p, rank in zip(ps, [0, 1, 0, 1, 0, 1, 0])}

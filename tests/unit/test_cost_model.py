@@ -12,15 +12,18 @@ from ds_tensorshard.datapath.cost_model import (
     Network,
     all_gather,
     all_reduce,
+    all_reduce_below,
     parse_network,
     per_owner_cost,
     rooted,
     stock_buckets,
     stock_zero2_cost,
+    stripe_collective,
     stripes_fit,
     stripes_padding,
     tensorshard_grouped_cost,
     tensorshard_stripes_cost,
+    tree_all_reduce,
 )
 from ds_tensorshard.datapath.plan import plan_ownership
 
@@ -104,20 +107,40 @@ def test_stripes_by_hand():
 
 
 def test_stripes_fit_takes_the_most_stripes_within_the_limit():
-    # 8 ranks over the network (10 us per hop, 100 GB/s), 1,000 elements of 1 byte on the fullest rank: K stripes
-    # cost 2 K (7 x 10 us + 7/8 x 8 x ceil(1000 / K) bytes / B) + the norm; 1 ms allows K = 6 (0.84 ms), not 7
+    # 8 ranks over the network (10 us per hop, 100 GB/s), 1,000 elements of 1 byte on the fullest rank. Stripes this
+    # small go as all-reduces (the tree's 2 x 3 hops against the ring's 7), so K stripes cost
+    # 2 K (6 x 10 us + 2 x 8 x ceil(1000 / K) bytes / B) + the norm; 1 ms allows K = 7 (0.90 ms), not 8
     norm = sum(all_reduce(4, 8, NET))
-    seconds = lambda k: 2 * k * sum(all_gather(8 * -(-1000 // k), 8, NET)) + norm  # noqa: E731
-    assert seconds(6) <= 1e-3 < seconds(7)
-    assert stripes_fit(1000, 8, NET, 1, 1e-3, 10**9) == 8 * 167  # slot ceil(1000 / 6)
+    seconds = lambda k: 2 * k * sum(tree_all_reduce(8 * -(-1000 // k), 8, NET)) + norm  # noqa: E731
+    for size in (8 * 1000, 8 * 143):  # one stripe, seven
+        assert stripe_collective(size, 8, NET) == tree_all_reduce(size, 8, NET)
+    assert seconds(7) <= 1e-3 < seconds(8)
+    assert stripes_fit(1000, 8, NET, 1, 1e-3, 10**9) == 8 * 143  # slot ceil(1000 / 7)
     assert stripes_fit(1000, 8, NET, 1, 0.0, 10**9) == 8 * 1000  # nothing fits: one stripe
-    # buffers of at most 800 elements (slots of 100): at least 10 stripes; 2 ms allows 13 (1.88 ms), 1 ms none of
+    # buffers of at most 800 elements (slots of 100): at least 10 stripes; 2 ms allows 16 (1.98 ms), 1 ms none of
     # them, so the fewest the cap allows, 10
-    assert seconds(13) <= 2e-3 < seconds(14)
-    assert stripes_fit(1000, 8, NET, 1, 2e-3, 800) == 8 * 77  # slot ceil(1000 / 13)
+    assert seconds(16) <= 2e-3 < seconds(17)
+    assert stripes_fit(1000, 8, NET, 1, 2e-3, 800) == 8 * 63  # slot ceil(1000 / 16)
     assert stripes_fit(1000, 8, NET, 1, 1e-3, 800) == 8 * 100
     # a bucket smaller than the world: one element per slot, 1,000 stripes, counted without building them
     assert tensorshard_stripes_cost(1000, 8, 4, NET, 1).launches == 2 * 1000 + 1
+
+
+@pytest.mark.parametrize("n", [2, 4, 7, 8, 9, 64, 256, 1024])
+def test_a_stripe_goes_by_all_reduce_exactly_below_the_size_where_the_tree_is_faster(n):
+    below = all_reduce_below(n, NET)
+    if n <= 7:  # 2 ceil(log2 n) >= n - 1 hops and twice the bytes: the ring is never slower
+        assert below == 0.0
+        assert all(stripe_collective(s, n, NET) == all_gather(s, n, NET) for s in (1, 1e6, 1e9))
+        return
+    # hand: 8 ranks span two 4-rank nodes (100 GB/s): 10 us x 100 GB/s x (7 - 6) x 8 / 9 = 888,889 bytes
+    assert below == pytest.approx({8: 888_888.9}.get(n, below))
+    assert stripe_collective(below * 0.999, n, NET) == tree_all_reduce(below * 0.999, n, NET)
+    assert stripe_collective(below * 1.001, n, NET) == all_gather(below * 1.001, n, NET)
+    # a run that chose on another network is priced with its own threshold
+    assert tensorshard_stripes_cost(1000, n, n * 1000, NET, 1, all_reduce_under=0.0).seconds == pytest.approx(
+        2 * sum(all_gather(n * 1000, n, NET)) + sum(all_reduce(4, n, NET))
+    )
 
 
 def test_stripes_padding_by_hand_and_as_built():

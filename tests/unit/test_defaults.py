@@ -15,7 +15,14 @@ from ds_tensorshard.datapath.cost_model import (
     stock_zero2_cost,
     tensorshard_stripes_cost,
 )
-from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, TARGET, Wire, choose_layout, requested_bucket_numel
+from ds_tensorshard.datapath.defaults import (
+    DEFAULT_BUCKET_NUMEL,
+    TARGET,
+    StripeRoutes,
+    Wire,
+    choose_layout,
+    requested_bucket_numel,
+)
 from ds_tensorshard.datapath.plan import plan_ownership
 
 GLOO = Wire("torch", "torch (gloo)", on_cpu=True)
@@ -108,9 +115,10 @@ def test_the_layout_key_accepts_auto_and_defaults_to_it():
 
 @pytest.mark.parametrize("preset", ["gpt2-small", "llama2-7b", "llama3-8b", "mixtral-8x7b"])
 def test_defaults_at_8_to_1024_ranks(preset):
-    """The table in docs/performance.md: stripes within stock's time at 8 and 64 ranks; at 256 and 1,024 ranks no
-    stripes within stock's 5e8-element bucket are (two ring collectives of (n - 1) hops each per bucket, against
-    stock's tree all-reduces and one all-gather): there the fewest buckets the cap allows."""
+    """The table in docs/performance.md: stripes within stock's time at 8 and 64 ranks, and GPT-2 small at every
+    size (its stripes go as tree all-reduces from 256 ranks); the 7-47B models at 256 and 1,024 ranks are not: no
+    stripes within stock's 5e8-element bucket are (14-95 of them, each reduced and gathered, against stock's
+    all-reduces and one all-gather of the whole model), so there the fewest buckets the cap allows."""
     shapes = preset_shapes(preset)
     numels = [math.prod(shape) for _, shape in shapes]
     for n in (8, 64, 256, 1024):
@@ -120,7 +128,37 @@ def test_defaults_at_8_to_1024_ranks(preset):
         stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, DEFAULT_NETWORK, 2).seconds
         ratio = tensorshard_stripes_cost(fullest, n, bucket, DEFAULT_NETWORK, 2).seconds / stock
         assert choice.layout == "stripes" and bucket <= STOCK_REDUCE_BUCKET, (n, bucket)
-        if n <= 64:
+        assert choice.routes == StripeRoutes.for_wire(NCCL, n)
+        if n <= 64 or preset == "gpt2-small":
             assert ratio <= 1.0, (n, ratio)
+        else:
+            assert 1.2 < ratio < 1.4, (n, ratio)
         if ratio > TARGET:  # the fewest stripes whose buffers fit in 5e8 elements
             assert -(-fullest // (bucket // n)) == -(-fullest // (STOCK_REDUCE_BUCKET // n)), (n, bucket)
+
+
+@pytest.mark.parametrize(
+    "wire, ranks, reduce, gather",
+    [(GLOO, 2, True, True), (GLOO, 3, True, False), (GLOO, 4, True, False), (GLOO, 64, True, False)]
+    + [(MPI_CPU, 2, False, False), (MPI_CPU, 4, False, False), (NCCL, 2, False, False), (NCCL, 7, False, False)],
+)
+def test_stripes_go_by_all_reduce_where_measured_or_priced_faster(wire, ranks, reduce, gather):
+    # CPU ranks as measured (gloo's all-reduce beat its reduce-scatter at 2-4 ranks, its all-gather at 2); on an
+    # accelerator by the cost model, where up to 7 ranks the ring is never slower
+    choice = choose(wire, {"bucket_layout": "stripes"}, owned=[10**6] * ranks)
+    assert choice.routes.of(1) == choice.routes.of(10**12) == (reduce, gather)
+    words = {(True, True): "reduced by all-reduce, gathered by all-reduce"}.get((reduce, gather))
+    words = words or f"reduced by {'all-reduce' if reduce else 'reduce-scatter'}, gathered by all-gather"
+    assert choice.why.endswith(words)
+
+
+def test_stripes_on_accelerators_go_by_all_reduce_below_the_priced_size():
+    # 8 ranks in one node (9.6 us, 450 GB/s): 9.6 us x 450 GB/s x (7 - 6) x 8 / 9 = 3.84 MB; 1,024: the network's
+    routes = choose(NCCL).routes
+    assert routes.reduce_below == routes.gather_below == pytest.approx(3.84e6)
+    assert routes.of(3_839_000) == (True, True) and routes.of(3_841_000) == (False, False)
+    assert "reduced by all-reduce below 3.7 MiB, else reduce-scatter" in choose(NCCL).why
+    wide = StripeRoutes.for_wire(NCCL, 1024)
+    assert wide.reduce_below == pytest.approx(9.6e-6 * 400e9 * (1023 - 20) * 1024 / 1025)
+    # windows have no stripes to route
+    assert choose(GLOO).routes == StripeRoutes()
