@@ -13,6 +13,9 @@ the backend and the world size (``bucket_layout: "auto"``, the default).
   bucket size within them gets there, the fewest buckets they allow (the fastest). Windows at the same size are
   never faster by the model (two launches per owner present against two per bucket), so they are not priced.
   One rank communicates nothing: windows of ``DEFAULT_BUCKET_NUMEL``.
+- Stripes travel by :class:`StripeRoutes`: each way one all-reduce of the whole stripe instead of the
+  reduce-scatter / all-gather where the cost model prices it faster (accelerators) or where it measured faster
+  (CPU ranks: :data:`ALL_REDUCE_ON_CPU_BELOW`).
 
 The choice is made once, over the data-parallel group's tensors and plan; expert groups (MoE) take it too.
 

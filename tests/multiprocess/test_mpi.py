@@ -144,11 +144,15 @@ def test_mpi_backend_under_a_non_mpi_launcher_is_refused_with_the_launcher_to_us
 
 @pytest.mark.extended  # CI time: the mpi transport's collectives are counted in test_launches.py
 def test_comm_bench_reports_both_backends():
-    out = mpiexec(
-        ["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1000", "--repeats", "1", "--port", str(free_port())], 2
-    )
+    command = ["-m", "ds_tensorshard.examples.comm_bench", "--numel", "1001", "--repeats", "1"]
+    out = mpiexec([*command, "--patterns", "owners", "all_reduce", "--port", str(free_port())], 2)
     rows = [json.loads(line[len("COMM ") :]) for line in out.splitlines() if line.startswith("COMM ")]
-    assert [(r["backend"], r["ranks"], r["numel"]) for r in rows] == [("torch", 2, 1000), ("mpi", 2, 1000)]
+    assert [(r["backend"], r["pattern"], r["ranks"], r["numel"]) for r in rows] == [
+        ("torch", "owners", 2, 1001),
+        ("torch", "all_reduce", 2, 1000),  # a stripe: two equal slots
+        ("mpi", "owners", 2, 1001),
+        ("mpi", "all_reduce", 2, 1000),
+    ]
     assert all(r["median_s"] > 0 for r in rows)
 
 
