@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import ds_tensorshard.transports.torch_comm
+from ds_tensorshard.datapath.broadcast import start_gather
 from ds_tensorshard.datapath.buckets import build_buckets, build_stripes
 from ds_tensorshard.datapath.plan import Block, plan_ownership
+from ds_tensorshard.transports.protocol import Pending
 
 
 def params(*shapes, dtype=torch.float32):
@@ -231,3 +233,28 @@ def test_buckets_follow_the_order_backward_produced_after_the_first_step():
     assert seen[0] == 0  # first backward: the unused parameter held every bucket back
     waiting = sum(any(p is model.embed.weight for p in b.params) for b in optimizer.buckets)
     assert waiting == 2 and seen[1] == len(optimizer.buckets) - waiting  # afterwards only the embedding's wait
+
+
+def test_a_stripe_gathered_by_all_reduce_keeps_every_value_bit_for_bit():
+    # each rank's buffer holds its slot and -0.0 elsewhere; their sum is every owner's values, zero signs included
+    a, b = params((4,), (4,))
+    a.data = torch.tensor([-0.0, 1.5, -2.0, 0.0])
+    b.data = torch.tensor([0.0, -0.0, 3.0, -1e-30])
+    (stripe,) = build_stripes([a, b], whole({id(a): 0, id(b): 1}), 8, 2, routes=lambda nbytes: (True, True))
+    sent = []
+
+    class Rank:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def start_all_reduce(self, flat):
+            sent.append(flat)
+            return Pending(lambda: None)
+
+    for rank in (0, 1):
+        start_gather(stripe, Rank(rank))
+    assert sent[0][4:].tolist() == sent[1][:4].tolist() == [-0.0] * 4
+    summed = sent[0] + sent[1]
+    assert torch.equal(summed.view(torch.int32), torch.cat([a.data, b.data]).view(torch.int32))
+    # with +0.0 the first of them would lose its sign
+    assert not torch.equal((a.data + torch.zeros(4)).view(torch.int32), a.data.view(torch.int32))

@@ -13,6 +13,7 @@ optimizer-state facts.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -134,6 +135,7 @@ def run_case(case: str, out_dir: str) -> None:
                 "started_at_embedding": started_at_embedding,
                 "buckets": len(optimizer.buckets),
                 "slots": [b.slot for b in optimizer.buckets],
+                "routes": [list(b.by_all_reduce) for b in optimizer.buckets],
                 "largest_buffer": max(b.numel for b in optimizer.buckets),
                 "first_embedding_bucket": next(
                     i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)
@@ -149,8 +151,18 @@ def run_case(case: str, out_dir: str) -> None:
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
 
 
+def stripes_by_all_reduce() -> None:
+    """``EQ_STRIPES_BY_ALL_REDUCE=1``: every stripe reduced and gathered by all-reduce, whatever the wire (on an
+    accelerator the cost model takes that route only from 8 ranks)."""
+    from ds_tensorshard.datapath import defaults
+
+    defaults.StripeRoutes.for_wire = classmethod(lambda cls, wire, n: cls(math.inf, math.inf))
+
+
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
+    if os.environ.get("EQ_STRIPES_BY_ALL_REDUCE") == "1":
+        stripes_by_all_reduce()
     init_worker()  # EMULATED_CUDA=1: on an emulated CUDA device over NCCL's rules (tests/helpers/emulated_cuda.py)
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
     for case in cases:
