@@ -57,9 +57,10 @@ class TensorShardConfig(BaseModel):
     every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one
     reduce-scatter and one all-gather (or all-reduces where faster) whatever the world size; ``"auto"``: on
     CPU ranks the layout measured faster there, in 4,000,000-element buckets (windows on torch/gloo; on mpi
-    windows below 4 ranks, stripes from 4); on accelerators (NCCL and the like) stripes, sized by the cost model: the most buckets predicted within 0.9x stock ZeRO-2's communication at its defaults,
-    each within its 5e8-element bucket; a bucket size the config sets is kept. Rank 0's start-up line says
-    what was chosen and why."""
+    windows below 4 ranks, stripes from 4); on accelerators (NCCL and the like) stripes, sized by the cost
+    model: the most buckets predicted within 0.9x stock ZeRO-2's communication at its defaults, each within
+    its 5e8-element bucket; a bucket size the config sets is kept. Rank 0's start-up line says what was chosen
+    and why."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
