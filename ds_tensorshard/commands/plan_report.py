@@ -169,7 +169,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
     choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
     if choice.layout == "stripes":
-        under = choice.routes.reduce_below  # on accelerators the same both ways
+        under = choice.routes(n).reduce_below  # on accelerators the same both ways
         cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under)
         buckets, largest = (cost.launches - 1) // 2, choice.bucket_numel
         padding, padding_per_step = stripes_padding(owned, choice.bucket_numel)
@@ -186,7 +186,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
             "largest_buffer": largest,
             **asdict(cost),
             "time_ratio": cost.seconds / stock.seconds if stock.seconds else 1.0,
-            "all_reduce_below_bytes": choice.routes.reduce_below if choice.layout == "stripes" else 0.0,
+            "all_reduce_below_bytes": choice.routes(n).reduce_below,
             "padding_bytes": padding * element_bytes,
             "padding_bytes_per_step": padding_per_step * element_bytes,
             "why": choice.why,

@@ -17,7 +17,8 @@ the backend and the world size (``bucket_layout: "auto"``, the default).
   reduce-scatter / all-gather where the cost model prices it faster (accelerators) or where it measured faster
   (CPU ranks: :data:`ALL_REDUCE_ON_CPU_BELOW`).
 
-The choice is made once, over the data-parallel group's tensors and plan; expert groups (MoE) take it too.
+The choice is made once, over the data-parallel group's tensors and plan; expert groups (MoE) take it too, their
+stripes routed for their own size.
 
 Worked example (the default network, 8 ranks in one node: 9.6 us per hop, 450 GB/s): eight tensors of 1e8 bf16
 elements, one per rank. Stock ZeRO-2 all-reduces them in two buckets of 5e8 and 3e8 elements (4.02 + 2.47 ms),
@@ -110,8 +111,13 @@ class LayoutChoice:
     layout: Layout
     bucket_numel: int
     why: str
-    routes: StripeRoutes = StripeRoutes()
-    """Stripes only: which of their collectives travel as all-reduces."""
+    wire: Wire | None = None
+    """Stripes only: where they travel, which sets their routes."""
+
+    def routes(self, world_size: int) -> StripeRoutes:
+        """Which collectives of stripes over a group of ``world_size`` ranks travel as all-reduces (an MoE expert
+        group's own size for its stripes); none for windows."""
+        return StripeRoutes() if self.wire is None else StripeRoutes.for_wire(self.wire, world_size)
 
 
 @dataclass(frozen=True)
@@ -159,12 +165,12 @@ def choose_layout(
 ) -> LayoutChoice:
     """The layout and bucket size of a run whose data-parallel group has ranks owning ``owned`` elements each, of
     tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire; stripes with
-    their collectives (:meth:`StripeRoutes.for_wire`)."""
+    their wire, which routes their collectives (:meth:`LayoutChoice.routes`)."""
     choice = _layout_and_size(config, param_dict, wire, numels, owned, element_bytes)
     if choice.layout == "windows":
         return choice
     routes = StripeRoutes.for_wire(wire, len(owned))
-    return dataclasses.replace(choice, why=f"{choice.why}; {routes.describe()}", routes=routes)
+    return dataclasses.replace(choice, why=f"{choice.why}; {routes.describe()}", wire=wire)
 
 
 def _layout_and_size(

@@ -52,7 +52,7 @@ def start_reducers(
         blocks_of, numel = domain.plan.blocks_of, layout.bucket_numel
         if layout.layout == "stripes":
             n = domain.comm.world_size
-            buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, layout.routes.of)
+            buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, layout.routes(n).of)
         else:
             buckets = build_buckets(backward_order, blocks_of, numel, comm_dtype_of)
         if early is not None:

@@ -128,7 +128,7 @@ def test_defaults_at_8_to_1024_ranks(preset):
         stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, DEFAULT_NETWORK, 2).seconds
         ratio = tensorshard_stripes_cost(fullest, n, bucket, DEFAULT_NETWORK, 2).seconds / stock
         assert choice.layout == "stripes" and bucket <= STOCK_REDUCE_BUCKET, (n, bucket)
-        assert choice.routes == StripeRoutes.for_wire(NCCL, n)
+        assert choice.routes(n) == StripeRoutes.for_wire(NCCL, n)
         if n <= 64 or preset == "gpt2-small":
             assert ratio <= 1.0, (n, ratio)
         else:
@@ -146,7 +146,8 @@ def test_stripes_go_by_all_reduce_where_measured_or_priced_faster(wire, ranks, r
     # CPU ranks as measured (gloo's all-reduce beat its reduce-scatter at 2-4 ranks, its all-gather at 2); on an
     # accelerator by the cost model, where up to 7 ranks the ring is never slower
     choice = choose(wire, {"bucket_layout": "stripes"}, owned=[10**6] * ranks)
-    assert choice.routes.of(1) == choice.routes.of(10**12) == (reduce, gather)
+    routes = choice.routes(ranks)
+    assert routes.of(1) == routes.of(10**12) == (reduce, gather)
     words = {(True, True): "reduced by all-reduce, gathered by all-reduce"}.get((reduce, gather))
     words = words or f"reduced by {'all-reduce' if reduce else 'reduce-scatter'}, gathered by all-gather"
     assert choice.why.endswith(words)
@@ -154,11 +155,13 @@ def test_stripes_go_by_all_reduce_where_measured_or_priced_faster(wire, ranks, r
 
 def test_stripes_on_accelerators_go_by_all_reduce_below_the_priced_size():
     # 8 ranks in one node (9.6 us, 450 GB/s): 9.6 us x 450 GB/s x (7 - 6) x 8 / 9 = 3.84 MB; 1,024: the network's
-    routes = choose(NCCL).routes
+    routes = choose(NCCL).routes(8)
     assert routes.reduce_below == routes.gather_below == pytest.approx(3.84e6)
     assert routes.of(3_839_000) == (True, True) and routes.of(3_841_000) == (False, False)
     assert "reduced by all-reduce below 3.7 MiB, else reduce-scatter" in choose(NCCL).why
     wide = StripeRoutes.for_wire(NCCL, 1024)
     assert wide.reduce_below == pytest.approx(9.6e-6 * 400e9 * (1023 - 20) * 1024 / 1025)
+    # a group of another size (an MoE expert group) takes its own: the dense group's choice routes 1,024 ranks'
+    assert choose(NCCL).routes(1024) == wide and choose(NCCL).routes(4) == StripeRoutes()
     # windows have no stripes to route
-    assert choose(GLOO).routes == StripeRoutes()
+    assert choose(GLOO).routes(2) == StripeRoutes()
