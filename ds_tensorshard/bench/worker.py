@@ -103,7 +103,9 @@ def _count_torch_collectives() -> None:
 def _count_mpi_collectives() -> None:
     from ds_tensorshard.transports import mpi_comm
 
-    for name, kind in (("start_reduce", "reduce"), ("start_broadcast", "broadcast"), ("all_reduce_sum", "all_reduce")):
+    rooted = (("start_reduce", "reduce"), ("start_broadcast", "broadcast"))
+    whole = (("all_reduce_sum", "all_reduce"), ("start_all_reduce", "all_reduce"))  # the norm's; a routed stripe's
+    for name, kind in rooted + whole:
         original = getattr(mpi_comm.MpiComm, name)
 
         @functools.wraps(original)
