@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from ds_tensorshard.datapath.gradients import NORM_CHUNK
 from tests.helpers import WORKERS
 from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
@@ -16,8 +17,10 @@ pytestmark = pytest.mark.cuda_emulated
 WORKER = os.path.join(WORKERS, "probe_worker.py")
 
 
-def run(check: str, out, world: int = 2, emulated: bool = True, mode: str = "ts") -> list[dict]:
-    run_ranks([WORKER, check, str(out), mode], world, env=EMULATED if emulated else None)
+def run(
+    check: str, out, world: int = 2, emulated: bool = True, mode: str = "ts", env: dict | None = None
+) -> list[dict]:
+    run_ranks([WORKER, check, str(out), mode], world, env=(EMULATED if emulated else {}) | (env or {}))
     return [json.load(open(f"{out}.rank{rank}.json")) for rank in range(world)]
 
 
@@ -83,3 +86,19 @@ def test_step_operators_do_not_grow_with_the_tensor_count(tmp_path, emulated):
     assert ours["aten_ops_per_step"] <= min(stock["aten_ops_per_step"], 30_045 // 10), (ours, stock)
     assert ours["host_syncs_per_step"] <= stock["host_syncs_per_step"], (ours, stock)
     assert ours["losses"] == stock["losses"], (ours, stock)
+
+
+def test_on_emulated_cuda_a_step_dispatches_no_operator_per_tensor(tmp_path):
+    """The step path by buffer on emulated CUDA, in the default suite (the 2,000-tensor count against stock is its
+    ``extended`` twin above): one engine.step() of the LoRA-like model with 100 and with 300 adapted layers (200 and
+    600 trained tensors, one bucket each) dispatches the same ATen operators and host syncs, but for the norm's
+    fp64 pass over the larger buffer in one chunk more (a slice, a copy to fp64, a dot, an add: by elements, per
+    ``NORM_CHUNK``, never per tensor)."""
+    small, large = (run("lora-ops", tmp_path / str(n), 1, env={"PROBE_LORA_LAYERS": str(n)})[0] for n in (100, 300))
+    assert (small["tensors"], large["tensors"]) == (200, 600)
+    chunks = [-(-r["tensors"] * 2048 // NORM_CHUNK) for r in (small, large)]  # 2,048 elements per adapter tensor
+    assert chunks == [1, 2]
+    per_chunk = {"aten.slice": 1, "aten.copy_": 1, "aten.dot": 1, "aten.add_": 1}
+    grown = {k: large["ops"].get(k, 0) - small["ops"].get(k, 0) for k in set(small["ops"]) | set(large["ops"])}
+    assert {k: v for k, v in grown.items() if v} == per_chunk, (small, large)
+    assert small["host_syncs_per_step"] == large["host_syncs_per_step"] <= 1, (small, large)

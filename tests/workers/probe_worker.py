@@ -234,7 +234,7 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
 
     torch.manual_seed(1234)
     with model_device():
-        model = LoRAStack(vocab=1024, seq=32, width=128, layers=1000)
+        model = LoRAStack(vocab=1024, seq=32, width=128, layers=int(os.environ.get("PROBE_LORA_LAYERS", 1000)))
     trained = [p for p in model.parameters() if p.requires_grad]
     config = at_defaults(ds_config("fp32", mode, 2, world), world)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
@@ -249,6 +249,7 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
     return {
         "tensors": len(trained),
         "aten_ops_per_step": counter.total,
+        "ops": dict(counter.ops),
         "host_syncs_per_step": counter.host_syncs,
         "losses": losses,
     }
