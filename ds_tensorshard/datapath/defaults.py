@@ -29,7 +29,7 @@ all-gathers the 8e8 (3.18 ms) and all-reduces the norm (0.06 ms): 9.73 ms. K str
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -166,45 +166,39 @@ def choose_layout(
     """The layout and bucket size of a run whose data-parallel group has ranks owning ``owned`` elements each, of
     tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire; stripes with
     their wire, which routes their collectives (:meth:`LayoutChoice.routes`)."""
-    choice = _layout_and_size(config, param_dict, wire, numels, owned, element_bytes)
-    if choice.layout == "windows":
-        return choice
-    routes = StripeRoutes.for_wire(wire, len(owned))
-    return dataclasses.replace(choice, why=f"{choice.why}; {routes.describe()}", wire=wire)
-
-
-def _layout_and_size(
-    config: TensorShardConfig,
-    param_dict: Mapping[str, Any],
-    wire: Wire,
-    numels: Sequence[int],
-    owned: Sequence[int],
-    element_bytes: int,
-) -> LayoutChoice:
     size, size_key = requested_bucket_numel(config, param_dict)
     layout = None if config.bucket_layout == "auto" else config.bucket_layout
-    if layout is not None and size is not None:
-        return LayoutChoice(layout, size, f"bucket_layout and {size_key} set in the config")
-    given = f"{size_key} {size:,} set in the config" if size is not None else ""
     n = len(owned)
+    choice = functools.partial(_routed, wire=wire, world_size=n)
+    if layout is not None and size is not None:
+        return choice(layout, size, f"bucket_layout and {size_key} set in the config")
+    given = f"{size_key} {size:,} set in the config" if size is not None else ""
     if wire.on_cpu:
         chosen = layout or measured_on_cpu(wire.comm_backend, n)
         other = "stripes" if chosen == "windows" else "windows"
         why = "bucket_layout set in the config" if layout else f"{chosen}: measured faster than {other} on CPU ranks"
         why += f" ({wire.transport} at {n} rank{'s' if n != 1 else ''})"
-        return LayoutChoice(chosen, size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
+        return choice(chosen, size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
     if n == 1 or layout == "windows":
         why = "one rank: nothing is communicated" if n == 1 else "bucket_layout set in the config"
-        return LayoutChoice(layout or "windows", size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
+        return choice(layout or "windows", size or DEFAULT_BUCKET_NUMEL, "; ".join(filter(None, (why, given))))
     if size is not None:
-        return LayoutChoice(
+        return choice(
             "stripes",
             size,
             f"{given}; stripes: on {wire.transport} at {n} ranks the cost model "
             "prices them below windows at any bucket size",
         )
     bucket, why = default_stripes(numels, owned, element_bytes)
-    return LayoutChoice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}")
+    return choice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}")
+
+
+def _routed(layout: Layout, bucket_numel: int, why: str, wire: Wire, world_size: int) -> LayoutChoice:
+    """The choice; stripes keep their wire, and the reason says how they travel at ``world_size`` ranks."""
+    if layout == "windows":
+        return LayoutChoice(layout, bucket_numel, why)
+    routes = StripeRoutes.for_wire(wire, world_size)
+    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe()}", wire)
 
 
 def default_stripes(numels: Sequence[int], owned: Sequence[int], element_bytes: int) -> tuple[int, str]:
