@@ -168,8 +168,8 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
     accelerator = Wire("torch", "an accelerator", on_cpu=False)
     choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
+    under = choice.routes(n).reduce_below  # stripes on accelerators: the same both ways; windows: 0
     if choice.layout == "stripes":
-        under = choice.routes(n).reduce_below  # on accelerators the same both ways
         cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under)
         buckets, largest = (cost.launches - 1) // 2, choice.bucket_numel
         padding, padding_per_step = stripes_padding(owned, choice.bucket_numel)
@@ -186,7 +186,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
             "largest_buffer": largest,
             **asdict(cost),
             "time_ratio": cost.seconds / stock.seconds if stock.seconds else 1.0,
-            "all_reduce_below_bytes": choice.routes(n).reduce_below,
+            "all_reduce_below_bytes": under,
             "padding_bytes": padding * element_bytes,
             "padding_bytes_per_step": padding_per_step * element_bytes,
             "why": choice.why,

@@ -236,6 +236,6 @@ def build_stripes(
                     members.update((id(p.param), p.param) for p in pieces)
             device, numel = segments[0].pieces[0].param.device, world_size * slot
             by_all_reduce = routes(numel * (comm_dtype or dtype).itemsize)
-            members_ = tuple(members.values())
-            buckets.append(Bucket(dtype, device, tuple(segments), numel, members_, comm_dtype, slot, by_all_reduce))
+            held = tuple(members.values())
+            buckets.append(Bucket(dtype, device, tuple(segments), numel, held, comm_dtype, slot, by_all_reduce))
     return buckets
