@@ -51,7 +51,7 @@ class TensorShardConfig(BaseModel):
     layout (``"auto"``: see ``bucket_layout``; an explicit layout: 4,000,000, or the cost model's for stripes on
     accelerators)."""
 
-    bucket_layout: Literal["auto", "windows", "stripes"] = "auto"
+    bucket_layout: Literal["auto", "windows", "stripes", "flat"] = "auto"
     """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner
     (as ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of
     every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one

@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -26,11 +27,13 @@ from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.coalesce import CoalesceMethods
 from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
 from ds_tensorshard.datapath.backward_check import BackwardCheck
-from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_domains, update_while_broadcasting
+from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_domains, start_broadcast, update_while_broadcasting
 from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
 from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains, owned_blocks
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
+from ds_tensorshard.datapath.flat_choice import flat_refusal, lays_flat
+from ds_tensorshard.datapath.flat_parameters import FlatGather
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
 from ds_tensorshard.datapath.intake import GradientIntake
@@ -91,7 +94,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.phase = Phase.ACCUMULATING
         self._decision: Decision | None = None  # prepare_step's, for step() to apply
         self._defer_broadcast = False  # prepare_step(defer_broadcast=True): step() leaves its broadcasts running
-        self.pending_broadcast: Broadcast | None = None  # the broadcasts a deferred step() started
+        self.pending_broadcast: Broadcast | FlatGather | None = None  # the broadcasts a deferred step() started
         self.last_update_at: tuple[int, int] | None = None  # ZeRO-Offload's pipelined updates (step())
         self.checkpoint_id: str | None = None  # set by the engine's save_checkpoint before state_dict()
         init_optimizer.add_param_group = self.add_param_group  # type: ignore[method-assign]
@@ -121,9 +124,12 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
         self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
+        experts, on_cpu = set(self.group_domains) != {DENSE}, engine.device.type == "cpu"
+        refusal = flat_refusal(engine, self.optimizer, self.params, experts, joint is not None, config.split_tensors)
+        flat = lays_flat(config, on_cpu, dist.get_world_size(group=self.dp_process_group), refusal)
         self.domains = open_domains(
             self.optimizer, self.params, self.names, self.group_domains, self.dp_process_group, config, engine.device,
-            joint,
+            joint, flat,
         )  # fmt: skip
         self.domain_of = {p: self.domains[d] for g, d in zip(self.bit16_groups, self.group_domains) for p in g}
         self.comm, self.plan = self.domains[DENSE].comm, self.domains[DENSE].plan
@@ -138,7 +144,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         dtype = master_dtype(engine, self.optimizer)
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        self.offload = StateOffload(self.shard, self.params, functools.partial(all_buckets, self.domains))
+        buckets = functools.partial(all_buckets, self.domains)
+        self.offload = StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         coalescing = lambda: self._coalesce_grad_reduction  # noqa: E731
@@ -269,10 +276,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.shard.step()
         self.shard.drop_grads()
         if self._defer_broadcast:
-            self.pending_broadcast = Broadcast(self.buckets, self.comm, self.reducer.describe)
+            self.pending_broadcast = start_broadcast(self.domains[DENSE], self._step_of())
             self.phase = Phase.BROADCASTING
         else:
-            broadcast_domains(self.domains)
+            broadcast_domains(self.domains, self._step_of())
             self.phase = Phase.ACCUMULATING
 
     def finish_broadcast(self) -> None:

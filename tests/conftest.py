@@ -38,13 +38,13 @@ def single_rank_world():
 @pytest.fixture(scope="session")
 def equivalence_runs(tmp_path_factory):
     """``runs(n)``: every case of the equivalence worker (fp32/bf16/fp16 x stock/ds_tensorshard x stages 1
-    and 2, the stripes cases; at 2 ranks also its ZeRO-Offload pairs) at ``n`` ranks, run once per session for
+    and 2, the stripes and flat cases; at 2 ranks also its ZeRO-Offload pairs) at ``n`` ranks, run once per session for
     all the tests that compare against them; returns ``load(case, rank)``."""
     import torch
 
     from tests.helpers import WORKERS
     from tests.helpers.ranks import run_ranks
-    from tests.workers.equivalence_worker import CASES, OFFLOAD_CASES, STRIPE_CASES
+    from tests.workers.equivalence_worker import CASES, FLAT_CASES, OFFLOAD_CASES, STRIPE_CASES
 
     loaders = {}
 
@@ -52,7 +52,8 @@ def equivalence_runs(tmp_path_factory):
         if n not in loaders:
             out = tmp_path_factory.mktemp(f"eq{n}")
             offload = OFFLOAD_CASES if n == 2 else []  # ZeRO-Offload's default pairs: at 2 ranks, where it is exact
-            run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *CASES, *STRIPE_CASES, *offload], n)
+            cases = [*CASES, *STRIPE_CASES, *FLAT_CASES, *offload]
+            run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(out), *cases], n)
             loaders[n] = lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
         return loaders[n]
 

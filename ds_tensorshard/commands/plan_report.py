@@ -31,6 +31,7 @@ from ds_tensorshard.datapath.cost_model import (
     tensorshard_stripes_cost,
 )
 from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, Wire, choose_layout, measured_on_cpu
+from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import PlanError
@@ -109,10 +110,12 @@ def plan_report(
     optimizer: str = "adam",
     network: Network = DEFAULT_NETWORK,
     element_bytes: int = 2,
+    flat: bool = True,
 ) -> dict[str, Any]:
     """Balance, splits, buckets, wire volume and predicted communication time (against stock ZeRO-2's, on
     ``network`` with gradients of ``element_bytes``) of one world size, with the whole-tensor plan beside it;
-    for ``optimizer="muon"`` also the Newton-Schulz work and momentum per rank against stock's rule."""
+    for ``optimizer="muon"`` also the Newton-Schulz work and momentum per rank against stock's rule. ``flat``:
+    the default may lay the parameters flat (not in a mixture of experts' groups)."""
     started = time.perf_counter()
     muon = muon_matrices(shapes) if optimizer == "muon" else []
     shape_of = dict(shapes)
@@ -153,25 +156,30 @@ def plan_report(
         "numel_per_rank": list(plan.numel_per_rank),
         "communication": {
             **cost_report(buckets, numels, max(plan.numel_per_rank), world_size, bucket_numel, network, element_bytes),
-            **default_report(shapes, plan, network, element_bytes),
+            **default_report(shapes, plan, network, element_bytes, flat and optimizer != "muon" and split != "never"),
         },
         **({"newton_schulz": newton_schulz_report(shapes, plan, muon)} if muon else {}),
     }
 
 
-def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, element_bytes: int) -> dict[str, Any]:
+def default_report(
+    shapes: Shapes, plan: OwnershipPlan, network: Network, element_bytes: int, flat: bool
+) -> dict[str, Any]:
     """What ``bucket_layout: "auto"`` picks on an accelerator at this plan's world size (chosen on the default
     network, as a run does: it cannot know its network), priced on ``network`` against stock ZeRO-2 at its own
-    defaults (``reduce_bucket_size`` 5e8); with the stripes' padding, in bytes."""
-    n, owned = plan.world_size, list(plan.numel_per_rank)
-    numels = [math.prod(shape) for _, shape in shapes]
+    defaults (``reduce_bucket_size`` 5e8); with the stripes' padding, in bytes. ``flat``: nothing keeps the run
+    from flat parameters (:mod:`~ds_tensorshard.datapath.flat_choice`), planned then by the flat plan."""
+    n, numels = plan.world_size, [math.prod(shape) for _, shape in shapes]
+    flat_plan = plan_flat(shapes, n) if flat and n > 1 else None
+    owned = list((flat_plan or plan).numel_per_rank)
+    flat_numel = flat_plan.flat_slot * n if flat_plan else 0
     accelerator = Wire("torch", "an accelerator", on_cpu=False)
-    choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes)
+    choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes, flat_numel)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
     under = choice.routes(n).reduce_below  # stripes on accelerators: the same both ways; windows: 0
-    if choice.layout == "stripes":
-        cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under)
-        buckets, largest = (cost.launches - 1) // 2, choice.bucket_numel
+    if choice.layout != "windows":
+        cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under, flat_numel)
+        buckets, largest = -(-max(owned) // max(1, choice.bucket_numel // n)), choice.bucket_numel
         padding, padding_per_step = stripes_padding(owned, choice.bucket_numel)
     else:
         windows = meta_buckets(shapes, plan, choice.bucket_numel)
@@ -189,6 +197,7 @@ def default_report(shapes: Shapes, plan: OwnershipPlan, network: Network, elemen
             "all_reduce_below_bytes": under,
             "padding_bytes": padding * element_bytes,
             "padding_bytes_per_step": padding_per_step * element_bytes,
+            "flat_padding_bytes": (flat_numel - sum(numels)) * element_bytes if flat_numel else 0,
             "why": choice.why,
         },
         "default_on_cpu": {t: measured_on_cpu(t, n) for t in ("torch", "mpi")} | {"bucket_numel": DEFAULT_BUCKET_NUMEL},
@@ -311,9 +320,9 @@ def moe_plan_report(
     for ep_rank in range(expert_parallel):
         held = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         tensors = [(name, shape) for name, shape in shapes if expert_index(name) in held]
-        report = plan_report(tensors, group_size, bucket_numel, split, optimizer, expert_network, element_bytes)
+        report = plan_report(tensors, group_size, bucket_numel, split, optimizer, expert_network, element_bytes, False)
         groups.append({"expert_parallel_rank": ep_rank, "experts": list(held), **report})
-    dense_report = plan_report(dense, world_size, bucket_numel, split, optimizer, network, element_bytes)
+    dense_report = plan_report(dense, world_size, bucket_numel, split, optimizer, network, element_bytes, False)
     owned = [
         dense_report["numel_per_rank"][r] + groups[r % expert_parallel]["numel_per_rank"][r // expert_parallel]
         for r in range(world_size)

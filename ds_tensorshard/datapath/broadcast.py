@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.datapath.flat_parameters import FlatGather
 from ds_tensorshard.datapath.reduce import IN_FLIGHT
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.transports.deadline import wait_or_fail
@@ -88,10 +89,18 @@ def broadcast_buckets(
     Broadcast(buckets, comm, describe, update).finish()
 
 
-def broadcast_domains(domains: dict[str, Domain]) -> None:
+def start_broadcast(domain: Domain, step: int) -> Broadcast | FlatGather:
+    """A domain's broadcasts of its owners' updated tensors (flat parameters: one all-gather of their storage),
+    started; ``finish()`` completes them."""
+    if domain.flat is not None:
+        return FlatGather(domain.flat, lambda: f"step {step}, gather of the flat parameters of {domain.name}")
+    return Broadcast(domain.reducer.buckets, domain.comm, domain.reducer.describe)
+
+
+def broadcast_domains(domains: dict[str, Domain], step: int) -> None:
     """Every domain's owners send their updated tensors to the other ranks of its group."""
     for domain in domains.values():
-        broadcast_buckets(domain.reducer.buckets, domain.comm, domain.reducer.describe)
+        start_broadcast(domain, step).finish()
 
 
 def update_while_broadcasting(

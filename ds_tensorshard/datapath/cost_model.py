@@ -153,13 +153,21 @@ def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, el
 
 
 def tensorshard_stripes_cost(
-    fullest: int, n: int, bucket_numel: int, net: Network, element_bytes: int, all_reduce_under: float | None = None
+    fullest: int,
+    n: int,
+    bucket_numel: int,
+    net: Network,
+    element_bytes: int,
+    all_reduce_under: float | None = None,
+    flat_numel: int = 0,
 ) -> Cost:
     """Stripes of ``bucket_numel`` over a fullest rank of ``fullest`` elements (``build_stripes``: slots of
     ``bucket_numel // n``, the last one the rest): each stripe's ``n x slot`` elements reduced and gathered by
     :func:`stripe_collective` (a ring reduce-scatter and all-gather, or all-reduces), counted in closed form (a
     small bucket at many ranks is many stripes). ``all_reduce_under``: the stripe size in bytes under which a run
-    takes the all-reduces, where it chose on another network than ``net``."""
+    takes the all-reduces, where it chose on another network than ``net``. ``flat_numel``: flat parameters
+    (``bucket_layout: "flat"``), gathered instead by one collective (the same choice) of their storage of that many
+    elements."""
     slot = max(1, bucket_numel // n)
     full, rest = divmod(fullest, slot)
 
@@ -168,23 +176,28 @@ def tensorshard_stripes_cost(
             return stripe_collective(size, n, net)
         return all_reduce(size, n, net) if size < all_reduce_under else all_gather(size, n, net)
 
+    ways = 1 if flat_numel else 2
     per = [(count, collective(n * width * element_bytes)) for count, width in ((full, slot), (int(rest > 0), rest))]
-    norm = _norm(n, net)
+    times = [_norm(n, net)] + ([collective(flat_numel * element_bytes)] if flat_numel else [])
     return Cost(
-        2 * (full + int(rest > 0)) + 1,
-        sum(2 * count * sum(time) for count, time in per) + sum(norm),
-        sum(2 * count * time[0] for count, time in per) + norm[0],
+        ways * (full + int(rest > 0)) + len(times),
+        sum(ways * count * sum(time) for count, time in per) + sum(map(sum, times)),
+        sum(ways * count * time[0] for count, time in per) + sum(time[0] for time in times),
     )
 
 
-def stripes_fit(fullest: int, n: int, net: Network, element_bytes: int, limit_s: float, max_numel: int) -> int:
+def stripes_fit(
+    fullest: int, n: int, net: Network, element_bytes: int, limit_s: float, max_numel: int, flat_numel: int = 0
+) -> int:
     """The bucket size (``n x slot``, at most ``max_numel`` where a slot of one element allows it) of the most
-    stripes over a fullest rank of ``fullest`` elements whose reduce-scatters and all-gathers take at most
-    ``limit_s``; where none does, the fewest stripes that ``max_numel`` allows (the fastest within it)."""
+    stripes over a fullest rank of ``fullest`` elements whose reduce-scatters and all-gathers (``flat_numel``: and
+    the flat parameters' one all-gather) take at most ``limit_s``; where none does, the fewest stripes that
+    ``max_numel`` allows (the fastest within it)."""
     fewest = -(-fullest // max(1, max_numel // n)) if fullest else 1
 
     def seconds(count: int) -> float:
-        return tensorshard_stripes_cost(fullest, n, n * -(-fullest // count), net, element_bytes).seconds
+        bucket = n * -(-fullest // count)
+        return tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, flat_numel=flat_numel).seconds
 
     low, high = fewest, max(fullest, fewest)  # seconds() grows with the count: the last count within the limit
     while low < high:

@@ -62,7 +62,8 @@ STRIPES_ON_CPU_FROM: dict[str, int | None] = {"torch": None, "mpi": 4}
 # (1.2-2.5x, 4M and 16M fp32 elements) and its all-gather at 2 only; MPI's Ireduce_scatter_block and Iallgather
 # are kept (docs/performance.md, "Stripes by all-reduce")
 ALL_REDUCE_ON_CPU_BELOW: dict[str, tuple[float, int]] = {"torch": (math.inf, 3), "mpi": (0, 0)}
-Layout = Literal["windows", "stripes"]
+Layout = Literal["windows", "stripes", "flat"]
+FLAT_WHY = "flat: the parameters laid in one storage (an accelerator, and nothing in the run rules it out)"
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,16 @@ class StripeRoutes:
         below = all_reduce_below(world_size, DEFAULT_NETWORK)
         return cls(below, below)
 
-    def describe(self) -> str:
-        """In words, for the start-up line."""
+    def describe(self, flat: bool = False) -> str:
+        """In words, for the start-up line (``flat``: the parameters gathered as one flat storage instead)."""
         parts = [
             "all-reduce" + ("" if limit == math.inf else f" below {limit / 2**20:,.1f} MiB, else {ring}")
             if limit
             else ring
             for limit, ring in ((self.reduce_below, "reduce-scatter"), (self.gather_below, "all-gather"))
         ]
+        if flat:
+            return f"reduced by {parts[0]}, the flat parameter storage gathered in place by {parts[1]}"
         return f"reduced by {parts[0]}, gathered by {parts[1]}"
 
 
@@ -151,8 +154,8 @@ def layout_for(
         for block in domain.plan.blocks_of(param):
             owned[block.rank] += block.numel
     wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
-    element_bytes = dtype.itemsize
-    return choose_layout(config, param_dict, wire, [p.numel() for p in domain.params], owned, element_bytes)
+    numels, flat_numel = [p.numel() for p in domain.params], domain.plan.flat_slot * domain.comm.world_size
+    return choose_layout(config, param_dict, wire, numels, owned, dtype.itemsize, flat_numel)
 
 
 def choose_layout(
@@ -162,14 +165,24 @@ def choose_layout(
     numels: Sequence[int],
     owned: Sequence[int],
     element_bytes: int,
+    flat_numel: int = 0,
 ) -> LayoutChoice:
     """The layout and bucket size of a run whose data-parallel group has ranks owning ``owned`` elements each, of
     tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire; stripes with
-    their wire, which routes their collectives (:meth:`LayoutChoice.routes`)."""
+    their wire, which routes their collectives (:meth:`LayoutChoice.routes`). ``flat_numel``: the parameters are
+    flat (:mod:`~ds_tensorshard.datapath.flat_choice` chose it), in a storage of that many elements: stripes
+    reduce, one all-gather of the storage gathers."""
     size, size_key = requested_bucket_numel(config, param_dict)
     layout = None if config.bucket_layout == "auto" else config.bucket_layout
     n = len(owned)
     choice = functools.partial(_routed, wire=wire, world_size=n)
+    if flat_numel:
+        given = f"{size_key} {size:,} set in the config" if size is not None else ""
+        why = "bucket_layout set in the config" if layout else FLAT_WHY
+        if size is None:
+            size, sized = default_stripes(numels, owned, element_bytes, flat_numel)
+            why += f"; {sized}"
+        return choice("flat", size, "; ".join(filter(None, (why, given))))
     if layout is not None and size is not None:
         return choice(layout, size, f"bucket_layout and {size_key} set in the config")
     given = f"{size_key} {size:,} set in the config" if size is not None else ""
@@ -194,19 +207,23 @@ def choose_layout(
 
 
 def _routed(layout: Layout, bucket_numel: int, why: str, wire: Wire, world_size: int) -> LayoutChoice:
-    """The choice; stripes keep their wire, and the reason says how they travel at ``world_size`` ranks."""
+    """The choice; stripes (flat's too) keep their wire, and the reason says how they travel at ``world_size``
+    ranks."""
     if layout == "windows":
         return LayoutChoice(layout, bucket_numel, why)
     routes = StripeRoutes.for_wire(wire, world_size)
-    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe()}", wire)
+    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe(layout == 'flat')}", wire)
 
 
-def default_stripes(numels: Sequence[int], owned: Sequence[int], element_bytes: int) -> tuple[int, str]:
-    """The stripes' bucket size on an accelerator (the rule in the module's docstring) and the reason, in words."""
+def default_stripes(
+    numels: Sequence[int], owned: Sequence[int], element_bytes: int, flat_numel: int = 0
+) -> tuple[int, str]:
+    """The stripes' bucket size on an accelerator (the rule in the module's docstring; ``flat_numel``: the flat
+    parameters' storage, gathered whole) and the reason, in words."""
     n, fullest, net = len(owned), max(owned), DEFAULT_NETWORK
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds
-    bucket = stripes_fit(fullest, n, net, element_bytes, TARGET * stock, STOCK_REDUCE_BUCKET)
-    cost = tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes)
+    bucket = stripes_fit(fullest, n, net, element_bytes, TARGET * stock, STOCK_REDUCE_BUCKET, flat_numel)
+    cost = tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, flat_numel=flat_numel)
     ratio = cost.seconds / stock if stock else 1.0
     rule = (
         f"the most buckets predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
@@ -215,7 +232,7 @@ def default_stripes(numels: Sequence[int], owned: Sequence[int], element_bytes: 
         f"bucket; none there is predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
     )
     return bucket, (
-        f"stripes, {(cost.launches - 1) // 2} buckets at {n} ranks: {rule} (cost model, {describe(net)}: "
+        f"stripes, {-(-fullest // max(1, bucket // n))} buckets at {n} ranks: {rule} (cost model, {describe(net)}: "
         f"{cost.seconds * 1e3:,.1f} ms against {stock * 1e3:,.1f} ms, {ratio:.2f}x)"
     )
 

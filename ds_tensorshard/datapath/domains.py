@@ -18,6 +18,8 @@ import torch
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.utils import groups
 
+from ds_tensorshard.datapath.flat_parameters import FlatParameters
+from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.datapath.placement import plan_for
 from ds_tensorshard.datapath.plan import Block, OwnershipPlan
 from ds_tensorshard.datapath.reduce import OverlappedReducer
@@ -33,12 +35,14 @@ DENSE = "data_parallel"  # the dense domain's name; an expert domain is named af
 
 @dataclass
 class Domain:
-    """One process group's share of the data path: its transport, tensors (model order), plan and reducer."""
+    """One process group's share of the data path: its transport, tensors (model order), plan and reducer; with a
+    flat plan its parameters laid in one storage (:mod:`~ds_tensorshard.datapath.flat_parameters`)."""
 
     name: str
     comm: Transport
     params: list[torch.nn.Parameter]
     plan: OwnershipPlan
+    flat: FlatParameters | None = None
     reducer: OverlappedReducer = field(init=False)
 
     @property
@@ -87,10 +91,12 @@ def open_domains(
     config: TensorShardConfig,
     device: torch.device,
     joint: OwnershipPlan | None,
+    flat: bool = False,
 ) -> dict[str, Domain]:
     """One domain per process group, each planned over its own group's ranks (``joint``: the plan of
     :func:`~ds_tensorshard.initialize_many`): the dense tensors' first, then each expert group's, in the same
-    order on every rank. ``group_domains``: each param group's domain (:func:`domain_names`)."""
+    order on every rank. ``group_domains``: each param group's domain (:func:`domain_names`). ``flat``: the dense
+    tensors in a flat plan, laid in one storage (only without expert groups: :func:`flat_refusal`)."""
     if joint is not None and set(group_domains) != {DENSE}:
         raise TensorShardConfigError(
             "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
@@ -108,6 +114,11 @@ def open_domains(
         )
         in_domain = {p for group, d in zip(optimizer.param_groups, group_domains) if d == name for p in group["params"]}
         members = [p for p in params if p in in_domain]
+        if flat:
+            shapes = [(names[p], tuple(p.shape)) for p in members]
+            plan = plan_flat(shapes, comm.world_size, {id(p): names[p] for p in members})
+            domains[name] = Domain(name, comm, members, plan, FlatParameters(members, plan, comm, names.__getitem__))
+            continue
         plan = plan_for(optimizer, {p: names[p] for p in members}, comm.world_size, config.split_tensors, joint)
         domains[name] = Domain(name, comm, members, plan)
     return domains

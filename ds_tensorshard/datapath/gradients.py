@@ -34,10 +34,14 @@ NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8
 
 
 def block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
-    """The shape of ``param``'s dim-0 block ``block`` (the whole tensor's shape where it is whole)."""
+    """The shape of ``param``'s dim-0 block ``block`` (the whole tensor's shape where it is whole; flat where the
+    block is not whole rows, as a flat plan's may be)."""
     if block.numel == param.numel():
         return tuple(param.shape)
-    return (block.numel // max(math.prod(param.shape[1:]), 1), *param.shape[1:])
+    row = max(math.prod(param.shape[1:]), 1)
+    if block.start % row or block.numel % row:
+        return (block.numel,)
+    return (block.numel // row, *param.shape[1:])
 
 
 @dataclass

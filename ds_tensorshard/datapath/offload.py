@@ -27,6 +27,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
 from ds_tensorshard.datapath.buckets import Bucket
+from ds_tensorshard.datapath.flat_parameters import FlatParameters
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardUsageError
 
@@ -55,9 +56,14 @@ class StateOffload:
     """Which states are off the device, and the moves that put them there and back."""
 
     def __init__(
-        self, shard: OwnedShard, params: Sequence[torch.nn.Parameter], buckets: Callable[[], Iterable[Bucket]]
+        self,
+        shard: OwnedShard,
+        params: Sequence[torch.nn.Parameter],
+        buckets: Callable[[], Iterable[Bucket]],
+        flat: FlatParameters | None = None,
     ) -> None:
         self.shard, self.params, self.buckets = shard, list(params), buckets  # every domain's, as they are now
+        self.flat = flat  # flat parameters move as their one storage
         self.offloaded: set[OffloadStateTypeEnum] = set()
 
     def offload(
@@ -99,8 +105,11 @@ class StateOffload:
                 if param not in shard.views:
                     master.data = moved(master.data)
         elif state is OffloadStateTypeEnum.lp_params:
+            if self.flat is not None:
+                self.flat.move(moved)
             for param in self.params:
-                param.data = moved(param.data)
+                if self.flat is None or param not in self.flat:
+                    param.data = moved(param.data)
             shard.relink_views()
         elif state is OffloadStateTypeEnum.lp_grads:
             shard.move_grads(moved)

@@ -49,7 +49,8 @@ SplitMode = Literal["auto", "never"]
 
 @dataclass(frozen=True)
 class Block:
-    """Elements ``[start, stop)`` of a tensor's flattened storage (whole dim-0 rows), owned by ``rank``."""
+    """Elements ``[start, stop)`` of a tensor's flattened storage (whole dim-0 rows; any elements in a flat plan,
+    :mod:`~ds_tensorshard.datapath.flat_plan`), owned by ``rank``."""
 
     rank: int
     start: int
@@ -72,6 +73,10 @@ class OwnershipPlan:
     param_names: Mapping[int, str] = field(default_factory=dict, repr=False, compare=False)
     work_per_rank: tuple[float, ...] = ()
     """Compute cost per rank of the tensors given a ``work`` cost (empty when none was)."""
+    flat_slot: int = 0
+    """A flat plan's elements per rank of the flat storage (:mod:`~ds_tensorshard.datapath.flat_plan`); 0: none."""
+    flat_offsets: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+    """A flat plan's tensors: name -> where it starts in the flat storage."""
 
     def name_of(self, tensor: str | torch.Tensor) -> str:
         name = tensor if isinstance(tensor, str) else self.param_names.get(id(tensor))

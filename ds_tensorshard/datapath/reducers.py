@@ -50,7 +50,7 @@ def start_reducers(
 
     def build(domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
         blocks_of, numel = domain.plan.blocks_of, layout.bucket_numel
-        if layout.layout == "stripes":
+        if layout.layout in ("stripes", "flat"):  # flat parameters: reduced by stripes
             n = domain.comm.world_size
             buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, layout.routes(n).of)
         else:
@@ -60,6 +60,10 @@ def start_reducers(
         return buckets
 
     for domain in domains.values():
+        if domain.flat is not None:
+            storage = domain.flat.storage
+            routes = layout.routes(domain.comm.world_size)
+            domain.flat.by_all_reduce = routes.of(storage.numel() * storage.element_size())[1]
         domain.reducer = OverlappedReducer(
             build(domain, list(reversed(domain.params))),
             domain.comm,

@@ -78,7 +78,9 @@ class TorchComm:
         return Pending(finish, flat, out, blocks_host=reduced.blocks_host, parts=[reduced])
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
-        mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()
+        mine = flat[self.rank * slot : (self.rank + 1) * slot]
+        if flat.device.type == "cpu":  # gloo takes an input of its own; NCCL gathers in place (no slot-sized copy)
+            mine = mine.clone()
         work = getattr(tdist, ALL_GATHER)(flat, mine, group=self.group, async_op=True)
         return self._pending(work, f"all-gather of {self.world_size} slots", flat, mine)
 

@@ -16,7 +16,15 @@ from tests.helpers import WORKERS
 from tests.helpers.compare import assert_run_matches, within_ulps
 from tests.helpers.emulated_accelerator import EMULATED
 from tests.helpers.ranks import run_ranks
-from tests.workers.equivalence_worker import CASES, GAS, OFFLOAD_CASES, OFFLOAD_EXTENDED, STEPS, STRIPE_CASES
+from tests.workers.equivalence_worker import (
+    CASES,
+    FLAT_CASES,
+    GAS,
+    OFFLOAD_CASES,
+    OFFLOAD_EXTENDED,
+    STEPS,
+    STRIPE_CASES,
+)
 
 WORLDS = (2, 3)
 
@@ -66,6 +74,24 @@ def test_stripes_match_stock(world):
             assert ours["optimizer_class"] == "TensorShardOptimizer"
             assert all(ours["slots"]) and ours["buckets"] > 1, case
             assert ours["slots"] != load(f"{dtype}:ts:{stage}", rank)["slots"]  # windows: slot 0
+            assert_run_matches(ours, stock, dtype, f"{case} vs stock rank {rank}")
+            if n == 2:
+                assert ours["losses"] == stock["losses"], case
+                assert all(torch.equal(ours["params"][k], v) for k, v in stock["params"].items()), case
+
+
+def test_flat_parameters_match_stock(world):
+    """``bucket_layout: "flat"``: a flat plan, every trained parameter a view of one storage, reduced by stripes and
+    gathered by one collective over the storage in place (at 2 ranks on gloo an all-reduce, from 3 an all-gather);
+    the same training as stock (bit for bit at 2 ranks)."""
+    n, load = world
+    for case in FLAT_CASES:
+        dtype, _, stage = case.split(":")
+        for rank in range(n):
+            ours, stock = load(case, rank), load(f"{dtype}:stock:{stage}", rank)
+            assert ours["layout"] == "flat" and ours["in_flat_storage"] == len(ours["blocks"]) == 29, case
+            assert all(ours["slots"]) and ours["flat_by_all_reduce"] == (n == 2), case
+            assert sum(len(b) > 1 for b in ours["blocks"].values()) in range(1, n), case  # split at slot boundaries
             assert_run_matches(ours, stock, dtype, f"{case} vs stock rank {rank}")
             if n == 2:
                 assert ours["losses"] == stock["losses"], case

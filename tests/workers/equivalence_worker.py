@@ -33,13 +33,15 @@ OFFLOAD_CASES = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 1), ("bf16", 2)) f
 OFFLOAD_EXTENDED = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 2), ("bf16", 1)) for m in ("stock", "ts")]
 # bucket_layout "stripes" (one reduce-scatter and one all-gather per bucket) against stock: each stage once
 STRIPE_CASES = ["fp32:ts-stripes:2", "bf16:ts-stripes:1"]
+# bucket_layout "flat" (a flat plan, the parameters views of one storage gathered in place) against stock
+FLAT_CASES = ["fp32:ts-flat:2", "bf16:ts-flat:1"]
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))
-OFFLOAD, STRIPES = "-offload", "-stripes"
+OFFLOAD, STRIPES, FLAT = "-offload", "-stripes", "-flat"
 
 
 def base_mode(mode: str) -> str:
-    """``ts-offload`` or ``ts-stripes`` -> ``ts``: the mode without ZeRO-Offload or stripes."""
-    return mode.removesuffix(OFFLOAD).removesuffix(STRIPES)
+    """``ts-offload``, ``ts-stripes`` or ``ts-flat`` -> ``ts``: the mode without ZeRO-Offload or its layout."""
+    return mode.removesuffix(OFFLOAD).removesuffix(STRIPES).removesuffix(FLAT)
 
 
 def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto") -> dict:
@@ -58,7 +60,8 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
     }
     if mode.endswith(OFFLOAD):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    stripes, mode = mode.removesuffix(OFFLOAD).endswith(STRIPES), base_mode(mode)
+    layout = mode.removesuffix(OFFLOAD).rsplit("-", 1)[-1] if mode.count("-") > mode.endswith(OFFLOAD) else "windows"
+    mode = base_mode(mode)
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":
@@ -69,7 +72,7 @@ def ds_config(dtype: str, mode: str, stage: int, world: int, split: str = "auto"
             "enabled": True,
             "comm_backend": "mpi" if mode == "tsmpi" else "torch",
             "split_tensors": split,
-            "bucket_layout": "stripes" if stripes else "windows",
+            "bucket_layout": layout,
         }
     return config
 
@@ -137,6 +140,9 @@ def run_case(case: str, out_dir: str) -> None:
                 "slots": [b.slot for b in optimizer.buckets],
                 "routes": [list(b.by_all_reduce) for b in optimizer.buckets],
                 "largest_buffer": max(b.numel for b in optimizer.buckets),
+                "layout": optimizer.layout.layout,
+                "in_flat_storage": in_flat_storage(optimizer),
+                "flat_by_all_reduce": getattr(optimizer.domains["data_parallel"].flat, "by_all_reduce", None),
                 "first_embedding_bucket": next(
                     i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)
                 ),
@@ -149,6 +155,15 @@ def run_case(case: str, out_dir: str) -> None:
             }
         )
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
+
+
+def in_flat_storage(optimizer) -> int:
+    """How many trained parameters are views of the flat parameter storage, at their plan offsets (0: none)."""
+    flat = optimizer.domains["data_parallel"].flat
+    if flat is None:
+        return 0
+    base, size = flat.storage.data_ptr(), flat.storage.element_size()
+    return sum(p.data_ptr() == base + optimizer.plan.flat_offsets[optimizer.names[p]] * size for p in optimizer.params)
 
 
 def stripes_by_all_reduce() -> None:

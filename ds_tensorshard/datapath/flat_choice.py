@@ -1,0 +1,58 @@
+"""Whether a run lays its dense parameters flat (``bucket_layout: "flat"``, :mod:`.flat_parameters`): asked for,
+or by ``"auto"`` on accelerators at more than one rank, where nothing in the run keeps it from it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ds_tensorshard.datapath.inner_optimizer import whole_matrix_params
+from ds_tensorshard.errors import TensorShardConfigError
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ds_tensorshard.config import TensorShardConfig
+
+
+def flat_refusal(
+    engine: DeepSpeedEngine,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.nn.Parameter],
+    expert_groups: bool,
+    joint: bool,
+    split_tensors: str,
+) -> str | None:
+    """What in the run keeps its parameters from a flat plan, in words; None where nothing does. A flat plan
+    splits whichever tensors lie across a slot boundary, and its storage is one dtype on one device."""
+    if joint:
+        return "initialize_many (one plan for several models)"
+    if engine.zero_cpu_offload():
+        return "ZeRO-Offload (zero_optimization.offload_optimizer)"
+    if expert_groups:
+        return "a mixture-of-experts model (its experts stay whole in their expert groups)"
+    if whole_matrix_params(optimizer):
+        return f"the {type(optimizer).__name__} optimizer, which updates whole matrices"
+    if split_tensors == "never":
+        return "'tensorshard.split_tensors': 'never'"
+    if isinstance(engine, PipelineEngine) or engine.mpu is not None:
+        return "pipeline or tensor parallelism (an mpu)"
+    if len({(p.dtype, p.device) for p in params}) > 1:
+        return "trained parameters of more than one dtype or device"
+    return None
+
+
+def lays_flat(config: TensorShardConfig, on_cpu: bool, world_size: int, refusal: str | None) -> bool:
+    """``bucket_layout: "flat"`` (refused, naming why, where ``refusal`` says something keeps the run from it); or
+    ``"auto"`` on an accelerator at more than one rank where nothing does. CPU ranks keep the layouts measured
+    there (:func:`~ds_tensorshard.datapath.defaults.measured_on_cpu`)."""
+    if config.bucket_layout == "flat":
+        if refusal is not None:
+            raise TensorShardConfigError(
+                f"'tensorshard.bucket_layout': 'flat' with {refusal} is not supported; use 'stripes' or 'windows'"
+            )
+        return True
+    return config.bucket_layout == "auto" and not on_cpu and world_size > 1 and refusal is None

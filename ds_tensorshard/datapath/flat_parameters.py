@@ -1,0 +1,83 @@
+"""Flat parameters (``bucket_layout: "flat"``): a flat plan's tensors (:mod:`~ds_tensorshard.datapath.flat_plan`)
+made views of one storage of ``world_size`` equal slots, so that after the step one collective, in place, brings
+every owner's updated slot to every rank, as stock ZeRO-1/2 all-gathers into its flat parameter group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ds_tensorshard.datapath.plan import OwnershipPlan
+from ds_tensorshard.errors import TensorShardUsageError
+from ds_tensorshard.transports.deadline import wait_or_fail
+from ds_tensorshard.transports.protocol import Pending, Transport
+
+
+class FlatParameters:
+    """The storage and the parameters laid in it (each ``.data`` a view at its plan offset; the padding zeros)."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], plan: OwnershipPlan, comm: Transport, name_of: Callable[..., str]
+    ) -> None:
+        self.params, self.comm, self.slot, self.name_of = params, comm, plan.flat_slot, name_of
+        self.offsets = [plan.flat_offsets[plan.name_of(param)] for param in params]
+        self.ids = {id(param) for param in params}
+        self.by_all_reduce = False  # set with the layout: gathered as one all-reduce (StripeRoutes), not an all-gather
+        first = params[0]
+        self.storage = torch.zeros(comm.world_size * self.slot, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            self._lay(lambda param, view: view.copy_(param.data))
+
+    def _lay(self, fill: Callable[[torch.nn.Parameter, torch.Tensor], object]) -> None:
+        """Each parameter becomes its view of the storage, ``fill(param, view)`` first."""
+        for param, offset in zip(self.params, self.offsets):
+            view = self.storage[offset : offset + param.numel()].view(param.shape)
+            fill(param, view)
+            param.data = view
+
+    def __contains__(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self.ids
+
+    def start_gather(self) -> Pending:
+        """Every rank's slot to every rank, in place (each owner's updated tensors are in its slot already): one
+        all-gather, or one all-reduce with every other slot -0.0 first (adding -0.0 keeps each value and a zero's
+        sign)."""
+        self._check()
+        if not self.by_all_reduce:
+            return self.comm.start_all_gather(self.storage, self.slot)
+        mine = self.comm.rank * self.slot
+        self.storage[:mine].fill_(-0.0)
+        self.storage[mine + self.slot :].fill_(-0.0)
+        return self.comm.start_all_reduce(self.storage)
+
+    def gather(self, where: Callable[[], str]) -> None:
+        """:meth:`start_gather` and its completion (in stream order on an accelerator)."""
+        wait_or_fail(self.start_gather().describe_as(where).wait, self.comm, where)
+
+    def move(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The storage to where ``moved`` puts it (``offload_states``), every parameter a view of it again."""
+        self.storage = moved(self.storage)
+        self._lay(lambda param, view: None)
+
+    def _check(self) -> None:
+        """Refuse to gather where a parameter's ``.data`` was replaced: the gather would not reach it."""
+        base, size = self.storage.data_ptr(), self.storage.element_size()
+        for param, offset in zip(self.params, self.offsets):
+            if param.data_ptr() != base + offset * size:
+                raise TensorShardUsageError(
+                    f"parameter '{self.name_of(param)}' no longer lies in ds_tensorshard's flat parameter storage "
+                    "(its .data was replaced after deepspeed.initialize), so the updated values would not reach "
+                    "it; copy into it instead (param.data.copy_(...)), or set 'tensorshard.bucket_layout' to "
+                    "'stripes'"
+                )
+
+
+class FlatGather:
+    """A gather of flat parameters left running (``step_many``'s deferred broadcasts); :meth:`finish` completes it."""
+
+    def __init__(self, flat: FlatParameters, where: Callable[[], str]) -> None:
+        self.flat, self.where, self.pending = flat, where, flat.start_gather().describe_as(where)
+
+    def finish(self) -> None:
+        wait_or_fail(self.pending.wait, self.flat.comm, self.where)

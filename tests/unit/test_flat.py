@@ -1,0 +1,117 @@
+"""Flat parameters (``bucket_layout: "flat"``): the flat plan, the storage the parameters become views of, and when
+a run takes it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.datapath.flat_choice import lays_flat
+from ds_tensorshard.datapath.flat_parameters import FlatParameters
+from ds_tensorshard.datapath.flat_plan import plan_flat
+from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.examples.host_cost import InstantComm
+from tests.unit.test_config import base_config, initialize
+
+
+def test_the_worked_example():
+    plan = plan_flat([("a", 6), ("b", (4,)), ("c", 3), ("d", 3)], 2)
+    assert plan.flat_slot == 8 and plan.flat_offsets == {"a": 0, "b": 6, "c": 10, "d": 13}
+    assert plan.blocks["b"] == (Block(0, 0, 2), Block(1, 2, 4)) and plan.split == {"b": 2}
+    assert plan.numel_per_rank == (8, 8) and plan.owner("c") == plan.owner("d") == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7, 64])
+def test_each_rank_owns_its_slot_of_the_tensors_laid_end_to_end(world_size):
+    rng = random.Random(world_size)
+    shapes = [(f"t{i}", (rng.randint(1, 40), rng.randint(1, 9))) for i in range(50)]
+    plan = plan_flat(shapes, world_size)
+    total, slot = sum(math.prod(s) for _, s in shapes), plan.flat_slot
+    assert slot == -(-total // world_size) and sum(plan.numel_per_rank) == total
+    position = 0
+    for name, shape in shapes:  # model order, back to back: every tensor one contiguous range
+        assert plan.flat_offsets[name] == position
+        blocks = plan.blocks[name]
+        assert blocks[0].start == 0 and all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+        assert blocks[-1].stop == math.prod(shape) and len({b.rank for b in blocks}) == len(blocks)
+        for block in blocks:  # inside its owner's slot
+            assert block.rank * slot <= position + block.start and position + block.stop <= (block.rank + 1) * slot
+        position += math.prod(shape)
+    assert len(plan.split) <= world_size - 1 and all(load <= slot for load in plan.numel_per_rank)
+
+
+def _model_params(dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.nn.Parameter], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    params = {name: torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for name, shape in [("w", (3, 4)), ("b", (5,))]}
+    return params, [p.detach().clone() for p in params.values()]
+
+
+def test_the_parameters_become_views_of_one_storage_with_their_values():
+    params, before = _model_params()
+    plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    assert flat.storage.numel() == 2 * plan.flat_slot == 18 and flat.storage[17] == 0  # one element of padding
+    base = flat.storage.data_ptr()
+    for (name, param), value in zip(params.items(), before):
+        assert param.data_ptr() == base + plan.flat_offsets[name] * 4 and torch.equal(param.data, value)
+    flat.move(lambda t: t.clone())  # offload_states: the storage moves, the parameters follow it
+    assert params["b"].data_ptr() == flat.storage.data_ptr() + 12 * 4 and torch.equal(params["b"].data, before[1])
+
+
+def test_a_gather_by_all_reduce_leaves_minus_zero_in_the_other_slots():
+    params, before = _model_params()
+    plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    flat.by_all_reduce = True
+    flat.start_gather().wait()  # moves nothing: rank 0's slot kept, rank 1's -0.0 (what the sum adds to)
+    assert torch.equal(flat.storage[:9], torch.cat([before[0].view(-1), before[1]])[:9])  # w[0:9] is rank 0's
+    assert torch.equal(flat.storage[9:].abs(), torch.zeros(9)) and bool(torch.signbit(flat.storage[9:]).all())
+
+
+def test_a_parameter_given_new_storage_is_refused_by_name():
+    params, _ = _model_params()
+    plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2), {p: n for n, p in params.items()}.__getitem__)
+    params["b"].data = torch.zeros(5)
+    with pytest.raises(TensorShardUsageError, match="parameter 'b' no longer lies in ds_tensorshard's flat"):
+        flat.start_gather()
+
+
+def test_auto_lays_flat_on_accelerators_only_where_nothing_rules_it_out():
+    auto, flat = TensorShardConfig(), TensorShardConfig(bucket_layout="flat")
+    assert lays_flat(auto, on_cpu=False, world_size=8, refusal=None)
+    assert not lays_flat(auto, on_cpu=True, world_size=8, refusal=None)  # CPU ranks: the layouts measured there
+    assert not lays_flat(auto, on_cpu=False, world_size=1, refusal=None)
+    assert not lays_flat(auto, on_cpu=False, world_size=8, refusal="ZeRO-Offload")
+    assert not lays_flat(TensorShardConfig(bucket_layout="stripes"), on_cpu=False, world_size=8, refusal=None)
+    assert lays_flat(flat, on_cpu=True, world_size=2, refusal=None)
+    with pytest.raises(TensorShardConfigError, match="'flat' with ZeRO-Offload is not supported"):
+        lays_flat(flat, on_cpu=False, world_size=8, refusal="ZeRO-Offload")
+
+
+def test_flat_asked_for_with_what_rules_it_out_is_refused_at_initialize():
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    config = base_config(zero_optimization=offload, tensorshard={"enabled": True, "bucket_layout": "flat"})
+    with pytest.raises(TensorShardConfigError, match=r"'flat' with ZeRO-Offload \(zero_optimization.offload_optimi"):
+        initialize(config)
+    never = {"enabled": True, "bucket_layout": "flat", "split_tensors": "never"}
+    with pytest.raises(TensorShardConfigError, match="'flat' with 'tensorshard.split_tensors': 'never'"):
+        initialize(base_config(tensorshard=never))
+
+
+def test_flat_at_one_rank_trains_with_the_parameters_in_its_storage():
+    model, engine, opt = initialize(base_config(tensorshard={"enabled": True, "bucket_layout": "flat"}))
+    assert opt.layout.layout == "flat" and "flat parameter storage gathered in place" in opt.layout.why
+    storage = opt.domains["data_parallel"].flat.storage
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = engine(torch.randn(2, 4)).square().sum()
+    engine.backward(loss)
+    engine.step()
+    for param, old in zip(model.parameters(), before):
+        assert storage.data_ptr() <= param.data_ptr() < storage.data_ptr() + storage.numel() * 4
+        assert not torch.equal(param.detach(), old)
