@@ -221,6 +221,23 @@ def test_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, equivalence_
 
 
 @pytest.mark.cuda_emulated
+def test_on_emulated_cuda_flat_parameters_train_as_on_the_cpu(tmp_path, equivalence_runs):
+    """Flat parameters on an accelerator: the storage on the device, the parameters views of it, the gather one
+    all-gather in place (NCCL's: the input this rank's slot of the storage itself, no copy; the cost model's route at
+    2 ranks), and bit for bit the CPU run (which at 2 ranks on gloo gathers by all-reduce)."""
+    run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *FLAT_CASES], 2, env=EMULATED)
+    cpu = equivalence_runs(2)
+    for case in FLAT_CASES:
+        for rank in range(2):
+            ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), cpu(case, rank)
+            assert ours["in_flat_storage"] == reference["in_flat_storage"] == 29, case
+            assert (ours["flat_by_all_reduce"], reference["flat_by_all_reduce"]) == (False, True), case
+            assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
+            assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), case
+            assert ours["master_devices"] == [f"cuda:{rank}"], case
+
+
+@pytest.mark.cuda_emulated
 def test_on_emulated_cuda_stripes_by_all_reduce_train_as_on_the_cpu(tmp_path, equivalence_runs):
     """Stripes reduced and gathered by all-reduce (on an accelerator the cost model's route for small stripes from 8
     ranks; forced here at 2): device buffers, the gather's -0.0 fill, and bit for bit the CPU run, which at 2 ranks
