@@ -432,3 +432,19 @@ def test_saved_and_resumed_at_another_world_size_on_emulated_cuda(runs, tmp_path
     (resumed,) = train(3, (tmp_path / "e23.pt", "fp32", "ts", 2, "--load", tmp_path / "e2"), env=EMULATED)
     assert_same_run(saved, runs["ref2"], "saved at 2 ranks")
     assert_same_run(resumed, runs["2to3"], "resumed at 3 ranks")
+
+
+def test_flat_parameters_save_and_resume_at_any_world_size_in_any_layout(runs, tmp_path):
+    """A run with flat parameters (``bucket_layout: "flat"``) saves ds_tensorshard's own checkpoints (every tensor by
+    name; a tensor split at a slot boundary as its element blocks): saved flat at 2 ranks, resumed at 3 in windows
+    and flat; a windows checkpoint resumed flat at 3 ranks; each continues the uninterrupted 2-rank run."""
+    (flat2,) = train(2, (tmp_path / "f2.pt", "fp32", "ts-flat", 2, "--save", tmp_path / "f2", "--save-at", 3))
+    resumed = train(
+        3,
+        (tmp_path / "f23.pt", "fp32", "ts", 2, "--load", tmp_path / "f2"),
+        (tmp_path / "f23f.pt", "fp32", "ts-flat", 2, "--load", tmp_path / "f2"),
+        (tmp_path / "c23f.pt", "fp32", "ts-flat", 2, "--load", runs["dir"] / "c2"),
+    )
+    assert_continues(flat2, runs["ref2"], FP32, first_step=0)
+    for run in resumed:
+        assert_continues(run, runs["ref2"], FP32, first_step=3)
