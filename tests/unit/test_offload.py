@@ -38,9 +38,10 @@ def pointers(engine) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_offloaded_states_move_and_training_continues_bit_for_bit(dtype):
-    plain, moved = make_engine(dtype), make_engine(dtype)
+@pytest.mark.parametrize("dtype,mode", [("fp32", "ts"), ("bf16", "ts"), ("fp32", "ts-flat"), ("bf16", "ts-flat")])
+def test_offloaded_states_move_and_training_continues_bit_for_bit(dtype, mode):
+    """With flat parameters (``ts-flat``) their storage moves whole and every parameter is a view of it again."""
+    plain, moved = make_engine(dtype, mode), make_engine(dtype, mode)
     assert steps(plain, 2, seed=1) == steps(moved, 2, seed=1)
     before = pointers(moved)
     offload = moved.optimizer.offload
@@ -55,6 +56,10 @@ def test_offloaded_states_move_and_training_continues_bit_for_bit(dtype):
     shard = moved.optimizer.shard
     for param in shard.views:  # an fp32 model's masters are still views of its tensors
         assert shard.masters[param].data_ptr() == param.data_ptr() + shard.blocks[param].start * 4
+    flat = moved.optimizer.domains["data_parallel"].flat
+    if flat is not None:
+        base, offsets, size = flat.storage.data_ptr(), moved.optimizer.plan.flat_offsets, flat.storage.element_size()
+        assert all(p.data_ptr() == base + offsets[moved.optimizer.names[p]] * size for p in flat.params)
     assert steps(plain, 2, seed=2) == steps(moved, 2, seed=2)
     for p, q in zip(plain.module.parameters(), moved.module.parameters()):
         assert torch.equal(p, q)
