@@ -77,7 +77,9 @@ class FlatGather:
     """A gather of flat parameters left running (``step_many``'s deferred broadcasts); :meth:`finish` completes it."""
 
     def __init__(self, flat: FlatParameters, where: Callable[[], str]) -> None:
-        self.flat, self.where, self.pending = flat, where, flat.start_gather().describe_as(where)
+        self.flat, self.where = flat, where
+        self.in_flight = [flat.start_gather().describe_as(where)]  # under way until finish(), as Broadcast's
 
     def finish(self) -> None:
-        wait_or_fail(self.pending.wait, self.flat.comm, self.where)
+        while self.in_flight:
+            wait_or_fail(self.in_flight.pop().wait, self.flat.comm, self.where)

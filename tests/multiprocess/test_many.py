@@ -23,7 +23,7 @@ WORKER = os.path.join(WORKERS, "many_worker.py")
 def many(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"many{n}")
-    for mode in ("stock", "step_many", "one_by_one", "step_many_stripes"):
+    for mode in ("stock", "step_many", "one_by_one", "step_many_stripes", "step_many_flat"):
         run_ranks([WORKER, str(out), mode], n)
     return n, lambda mode, rank: torch.load(out / f"{mode}.rank{rank}.pt")
 
@@ -38,6 +38,17 @@ def test_step_many_with_stripes_trains_as_stock(many):
     n, load = many
     for rank in range(n):
         assert_each_model_matches_stock(load("step_many_stripes", rank), load("stock", rank))
+
+
+def test_step_many_with_flat_parameters_trains_as_stock(many):
+    """Models initialized each alone with flat parameters: step_many leaves each model's gather of its storage
+    running while the next model updates, and each trains as it would alone under stock ZeRO."""
+    n, load = many
+    for rank in range(n):
+        flat = load("step_many_flat", rank)
+        assert flat["layouts"] == ["flat"] * len(MODELS)
+        assert flat["broadcasts_running"] and all(flat["broadcasts_running"])
+        assert_each_model_matches_stock(flat, load("stock", rank))
 
 
 def test_step_many_equals_stepping_one_by_one(many):

@@ -2,7 +2,8 @@
 
 python many_worker.py OUT MODE   with MODE = stock (each its own stock ZeRO engine),
 step_many (initialize_many + step_many), step_many_mpi (the same on the mpi backend, under mpiexec),
-step_many_stripes (with bucket_layout "stripes") or one_by_one (initialize_many + engine.step each).
+step_many_stripes (with bucket_layout "stripes"), step_many_flat (each model initialized alone with flat parameters,
+then step_many) or one_by_one (initialize_many + engine.step each).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True
     deepspeed.init_distributed(dist_backend="gloo", distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    items, flavour = [], {"stock": "stock", "step_many_mpi": "tsmpi", "step_many_stripes": "ts-stripes"}.get(mode, "ts")
+    flavours = {"stock": "stock", "step_many_mpi": "tsmpi", "step_many_stripes": "ts-stripes"}
+    flavours["step_many_flat"] = "ts-flat"
+    items, flavour = [], flavours.get(mode, "ts")
     for seed, (dtype, stage, shape) in enumerate(MODELS):
         torch.manual_seed(100 + seed)
         model = TinyGPT(vocab=VOCAB, seq=SEQ, **shape)
         items.append(
             dict(model=model, model_parameters=param_groups(model), config=ds_config(dtype, flavour, stage, world))
         )
-    if mode == "stock":
+    if mode in ("stock", "step_many_flat"):  # flat parameters: each model initialized alone (no joint plan)
         engines = [deepspeed.initialize(**item)[0] for item in items]
     else:
         engines = [result[0] for result in ds_tensorshard.initialize_many(items)]
@@ -75,11 +78,13 @@ def main() -> None:
     if mode != "stock":
         plans = [e.optimizer.plan for e in engines]
         result["same_plan"] = all(plan is plans[0] for plan in plans)
+        result["layouts"] = [e.optimizer.layout.layout for e in engines]
         result["left_in_flight"] = left_in_flight
         result["broadcasts_running"] = broadcasts_running
         result["numel_per_rank"] = list(plans[0].numel_per_rank)
         result["owners"] = [
-            [b.rank for p in e.module.parameters() if p.requires_grad for b in plans[0].blocks_of(p)] for e in engines
+            [b.rank for p in e.module.parameters() if p.requires_grad for b in e.optimizer.plan.blocks_of(p)]
+            for e in engines
         ]
         result["owned_numel"] = [sum(m.numel() for g in e.optimizer.param_groups for m in g["params"]) for e in engines]
     torch.save(result, os.path.join(out, f"{mode}.rank{rank}.pt"))
