@@ -43,12 +43,21 @@ STRIPE_COLLECTIVES = {  # a stripe's reduction, its gather, the norm's all-reduc
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=pytest.mark.extended)])  # mpi: CI time
-def test_stripes_launch_one_reduction_and_one_gather_per_bucket(backend):
+@pytest.mark.parametrize(
+    "backend,layout",
+    [
+        ("torch", "stripes"),
+        ("torch", "flat"),
+        pytest.param("mpi", "stripes", marks=pytest.mark.extended),  # mpi: CI time
+        pytest.param("mpi", "flat", marks=pytest.mark.extended),
+    ],
+)
+def test_stripes_launch_one_reduction_and_one_gather_per_bucket(backend, layout):
     """``bucket_layout: "stripes"``: every bucket holds a slot of each rank's tensors, so it moves with one
     collective each way at any world size (3 ranks here: a window would need one per owner): on mpi a
-    reduce-scatter and an all-gather, on gloo an all-reduce (its reduce-scatter is slower) and an all-gather."""
-    command = [WORKER, "--comm-backend", backend, "--bucket-layout", "stripes"]
+    reduce-scatter and an all-gather, on gloo an all-reduce (its reduce-scatter is slower) and an all-gather.
+    ``"flat"``: the same reductions, and one gather of the whole parameter storage per step."""
+    command = [WORKER, "--comm-backend", backend, "--bucket-layout", layout]
     if backend == "mpi":
         found = results(mpiexec(command, 3))
     else:
@@ -61,7 +70,7 @@ def test_stripes_launch_one_reduction_and_one_gather_per_bucket(backend):
     for r in found:
         assert r["full"] >= r["buckets"] - 1  # every rank has a slot in every bucket (the last: the fullest's rest)
         assert r["buckets"] >= 3
-        expected = {reduction: r["buckets"], gather: r["buckets"]}
+        expected = {reduction: r["buckets"], gather: r["buckets"] if layout == "stripes" else 1}
         expected[norm] = expected.get(norm, 0) + 1
         for step in r["per_step"]:
             assert step == expected, r

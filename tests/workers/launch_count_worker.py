@@ -16,7 +16,7 @@ import torch.distributed as tdist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--comm-backend", choices=["torch", "mpi"], required=True)
-parser.add_argument("--bucket-layout", choices=["windows", "stripes"], default="windows")
+parser.add_argument("--bucket-layout", choices=["windows", "stripes", "flat"], default="windows")
 args = parser.parse_args()
 
 calls: Counter = Counter()
