@@ -52,6 +52,8 @@ LABELS = {
     "ts_torch_stripes": "ds_tensorshard (torch), stripes",
     "ts_mpi_windows": "ds_tensorshard (mpi), windows",
     "ts_mpi_stripes": "ds_tensorshard (mpi), stripes",
+    "ts_torch_flat": "ds_tensorshard (torch), flat parameters",
+    "ts_mpi_flat": "ds_tensorshard (mpi), flat parameters",
     "two_zero2": "2 models: stock ZeRO-2 each",
     "two_ts_separate": "2 models: ds_tensorshard, plan each, in turn",
     "two_ts_joint": "2 models: ds_tensorshard, joint plan, step_many",

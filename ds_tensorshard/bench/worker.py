@@ -40,7 +40,14 @@ OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
 # bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
 MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
 # ds_tensorshard with each bucket_layout set explicitly (ts_torch and ts_mpi take the default, "auto")
-LAYOUT_CONFIGS = ("ts_torch_windows", "ts_torch_stripes", "ts_mpi_windows", "ts_mpi_stripes")
+LAYOUT_CONFIGS = (
+    "ts_torch_windows",
+    "ts_torch_stripes",
+    "ts_torch_flat",
+    "ts_mpi_windows",
+    "ts_mpi_stripes",
+    "ts_mpi_flat",
+)
 SHARDED = (
     "ts_torch",
     "ts_mpi",
@@ -51,7 +58,7 @@ SHARDED = (
     "ts_bf16_masters",
     *LAYOUT_CONFIGS,
 )  # ds_tensorshard's
-MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes")
+MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes", "ts_mpi_flat")
 _SENT: defaultdict[str, float] = defaultdict(float)  # bytes sent by this rank, per collective kind
 _FACTORS = {
     "all_reduce": lambda n, root, me: 2 * (n - 1) / n,
@@ -443,7 +450,7 @@ def main() -> None:
     from deepspeed.runtime.zero import stage_1_and_2
 
     from ds_tensorshard.commands.models import synthetic_batch
-    from ds_tensorshard.datapath import broadcast
+    from ds_tensorshard.datapath import broadcast, flat_parameters
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     _count_mpi_collectives()
@@ -463,6 +470,7 @@ def main() -> None:
     models = [build_model(args, shape).to(device) for shape in shapes]
     clock = Clock()
     clock.wrap(broadcast.Broadcast, "finish", "gather")
+    clock.wrap(flat_parameters.FlatParameters, "gather", "gather")
     clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
     if args.config in ("ddp_zero", "fsdp2"):
         model = models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0]
