@@ -179,7 +179,9 @@ def choose_layout(
     if flat_numel:
         given = f"{size_key} {size:,} set in the config" if size is not None else ""
         why = "bucket_layout set in the config" if layout else FLAT_WHY
-        if size is None:
+        if size is None and wire.on_cpu:  # asked for on CPU ranks: the bucket size measured there
+            size = DEFAULT_BUCKET_NUMEL
+        elif size is None:
             size, sized = default_stripes(numels, owned, element_bytes, flat_numel)
             why += f"; {sized}"
         return choice("flat", size, "; ".join(filter(None, (why, given))))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, FLAT_WHY, Wire, choose_layout
 from ds_tensorshard.datapath.flat_choice import lays_flat
 from ds_tensorshard.datapath.flat_parameters import FlatParameters
 from ds_tensorshard.datapath.flat_plan import plan_flat
@@ -115,3 +116,15 @@ def test_flat_at_one_rank_trains_with_the_parameters_in_its_storage():
     for param, old in zip(model.parameters(), before):
         assert storage.data_ptr() <= param.data_ptr() < storage.data_ptr() + storage.numel() * 4
         assert not torch.equal(param.detach(), old)
+
+
+def test_flat_takes_the_cost_models_bucket_on_accelerators_and_the_measured_one_on_cpu_ranks():
+    numels, owned = [6 * 10**6] * 64, [48 * 10**6] * 8
+    accelerator = Wire("torch", "torch (nccl)", on_cpu=False)
+    chosen = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, 2, 8 * 48 * 10**6)
+    assert chosen.layout == "flat" and chosen.why.startswith(FLAT_WHY) and "stripes, " in chosen.why
+    assert chosen.bucket_numel == 8 * -(-48 * 10**6 // -(-48 * 10**6 // (chosen.bucket_numel // 8)))
+    asked = TensorShardConfig(bucket_layout="flat")
+    on_cpu = choose_layout(asked, {}, Wire("torch", "torch (gloo)", on_cpu=True), numels, owned, 4, 8 * 48 * 10**6)
+    assert (on_cpu.layout, on_cpu.bucket_numel) == ("flat", DEFAULT_BUCKET_NUMEL)
+    assert on_cpu.why.startswith("bucket_layout set in the config") and "gathered in place by all-gather" in on_cpu.why
