@@ -48,19 +48,23 @@ class TensorShardConfig(BaseModel):
     bucket_numel: int | None = Field(default=None, gt=0)
     """Elements per communication bucket (the largest flat buffer; a large tensor travels in pieces);
     ``null`` takes ``zero_optimization.reduce_bucket_size`` where the config sets it, else the size chosen with the
-    layout (``"auto"``: see ``bucket_layout``; an explicit layout: 4,000,000, or the cost model's for stripes on
-    accelerators)."""
+    layout (``"auto"``: see ``bucket_layout``; an explicit layout: 4,000,000, or the cost model's for stripes and
+    flat on accelerators)."""
 
     bucket_layout: Literal["auto", "windows", "stripes", "flat"] = "auto"
     """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner
     (as ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of
     every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one
-    reduce-scatter and one all-gather (or all-reduces where faster) whatever the world size; ``"auto"``: on
-    CPU ranks the layout measured faster there, in 4,000,000-element buckets (windows on torch/gloo; on mpi
-    windows below 4 ranks, stripes from 4); on accelerators (NCCL and the like) stripes, sized by the cost
-    model: the most buckets predicted within 0.9x stock ZeRO-2's communication at its defaults, each within
-    its 5e8-element bucket; a bucket size the config sets is kept. Rank 0's start-up line says what was chosen
-    and why."""
+    reduce-scatter and one all-gather (or all-reduces where faster) whatever the world size; ``"flat"``: the
+    tensors laid end to end in model order in one storage of n equal slots, rank ``r`` owning slot ``r`` (a
+    tensor across a slot boundary split there), the parameters views of it: gradients reduced by stripes, the
+    parameters gathered by one collective of the storage in place, as stock; ``"auto"``: on CPU ranks the layout
+    measured faster there, in 4,000,000-element buckets (windows on torch/gloo; on mpi windows below 4 ranks,
+    stripes from 4); on accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload,
+    MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor parallelism,
+    initialize_many), else stripes, sized by the cost model: the most buckets predicted within 0.9x stock
+    ZeRO-2's communication at its defaults, each within its 5e8-element bucket; a bucket size the config sets is
+    kept. Rank 0's start-up line says what was chosen and why."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:

@@ -14,7 +14,6 @@ import functools
 from typing import Any
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
@@ -32,7 +31,7 @@ from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
 from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains, owned_blocks
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
-from ds_tensorshard.datapath.flat_choice import flat_refusal, lays_flat
+from ds_tensorshard.datapath.flat_choice import flat_wanted
 from ds_tensorshard.datapath.flat_parameters import FlatGather
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_state, refuse_add_param_group
@@ -124,9 +123,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.checkpoint_names = global_names(engine.module, self.names)  # experts by global expert index
         self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = domain_names(self.optimizer.param_groups, self.names)
-        experts, on_cpu = set(self.group_domains) != {DENSE}, engine.device.type == "cpu"
-        refusal = flat_refusal(engine, self.optimizer, self.params, experts, joint is not None, config.split_tensors)
-        flat = lays_flat(config, on_cpu, dist.get_world_size(group=self.dp_process_group), refusal)
+        flat = flat_wanted(engine, self.optimizer, self.params, set(self.group_domains) != {DENSE}, joint, config)
         self.domains = open_domains(
             self.optimizer, self.params, self.names, self.group_domains, self.dp_process_group, config, engine.device,
             joint, flat,
@@ -308,9 +305,11 @@ def log_startup(optimizer: TensorShardOptimizer, engine: DeepSpeedEngine) -> Non
     if engine.global_rank != 0:
         return
     plan, layout = optimizer.plan, optimizer.layout
+    cut = "at the flat storage's slot boundaries" if plan.flat_slot else "into dim-0 blocks"
+    kind = "stripes of flat parameters" if layout.layout == "flat" else layout.layout
     logger.info(
         f"ds_tensorshard: stage {engine.zero_optimization_stage()}, {len(optimizer.params)} tensors "
-        f"({len(plan.split)} split into dim-0 blocks) in {len(optimizer.buckets)} {layout.layout} of at "
+        f"({len(plan.split)} split {cut}) in {len(optimizer.buckets)} {kind} of at "
         f"most {optimizer.bucket_numel:,} elements ({layout.why}), fullest rank / ideal "
         f"{plan.imbalance:.4f}; "
         f"{describe_zero_mapping(engine._config._param_dict)}"

@@ -164,6 +164,21 @@ class Clock:
 
         setattr(owner, name, timed)
 
+    @classmethod
+    def of_gathers(cls) -> Clock:
+        """A clock timing the parameters' return after the update as "gather": ours (per bucket, or the flat
+        parameters' one collective) and stock ZeRO-1/2's all-gather."""
+        from deepspeed.runtime.zero import stage_1_and_2
+
+        from ds_tensorshard.datapath import broadcast, flat_parameters
+
+        clock = cls()
+        clock.wrap(broadcast.Broadcast, "finish", "gather")
+        clock.wrap(flat_parameters.FlatParameters, "start_gather", "gather")
+        clock.wrap(flat_parameters.FlatGather, "finish", "gather")
+        clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
+        return clock
+
 
 def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: str = "adamw") -> dict:
     stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
@@ -447,10 +462,8 @@ def main() -> None:
     _count_torch_collectives()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero import stage_1_and_2
 
     from ds_tensorshard.commands.models import synthetic_batch
-    from ds_tensorshard.datapath import broadcast, flat_parameters
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     _count_mpi_collectives()
@@ -468,10 +481,7 @@ def main() -> None:
     if args.config in TWO_MODEL_CONFIGS:
         shapes.append(second_model_shape(args.width, args.layers))
     models = [build_model(args, shape).to(device) for shape in shapes]
-    clock = Clock()
-    clock.wrap(broadcast.Broadcast, "finish", "gather")
-    clock.wrap(flat_parameters.FlatParameters, "gather", "gather")
-    clock.wrap(stage_1_and_2, "all_gather_dp_groups", "gather")
+    clock = Clock.of_gathers()
     if args.config in ("ddp_zero", "fsdp2"):
         model = models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0]
         setup = build_ddp(model, world, clock) if args.config == "ddp_zero" else build_fsdp2(model, world, device)

@@ -2,13 +2,16 @@
 the backend and the world size (``bucket_layout: "auto"``, the default).
 
 - Explicit keys win: ``tensorshard.bucket_numel``, else ``zero_optimization.reduce_bucket_size``, is the bucket
-  size; ``bucket_layout`` ``"windows"`` or ``"stripes"`` the layout. What they leave open is chosen as below, with
-  the size they give where they give one.
+  size; ``bucket_layout`` ``"windows"``, ``"stripes"`` or ``"flat"`` the layout. What they leave open is chosen as
+  below, with the size they give where they give one.
 - CPU ranks (gloo, MPI over CPU): the layout measured faster on CPUs (:func:`measured_on_cpu`: windows on the
   torch transport, on mpi windows below 4 ranks and stripes from 4; figures in ``docs/performance.md``), in
   buckets of ``DEFAULT_BUCKET_NUMEL`` (the size measured).
-- Accelerators (NCCL and the like), more than one rank: stripes, by the α-β cost model (:mod:`.cost_model`, its
-  default network): the most buckets whose predicted communication per step is at most ``TARGET`` x stock
+- Accelerators (NCCL and the like), more than one rank: flat parameters where nothing in the run rules them out
+  (:mod:`.flat_choice` decides before the plan is made; ``flat_numel`` here), else stripes; either way stripes
+  sized by the α-β cost model (:mod:`.cost_model`, its default network, with flat parameters' one gather of their
+  storage instead of a gather per stripe): the most buckets whose predicted communication per step is at most
+  ``TARGET`` x stock
   ZeRO-2's at its own defaults (``reduce_bucket_size`` 5e8), each flat buffer within those 5e8 elements; where no
   bucket size within them gets there, the fewest buckets they allow (the fastest). Windows at the same size are
   never faster by the model (two launches per owner present against two per bucket), so they are not priced.

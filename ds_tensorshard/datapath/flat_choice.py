@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_tensorshard.datapath.inner_optimizer import whole_matrix_params
@@ -43,6 +44,21 @@ def flat_refusal(
     if len({(p.dtype, p.device) for p in params}) > 1:
         return "trained parameters of more than one dtype or device"
     return None
+
+
+def flat_wanted(
+    engine: DeepSpeedEngine,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.nn.Parameter],
+    expert_groups: bool,
+    joint: object | None,
+    config: TensorShardConfig,
+) -> bool:
+    """Whether this engine's dense parameters are laid flat (:func:`lays_flat` of what :func:`flat_refusal` finds),
+    over its data-parallel group."""
+    refusal = flat_refusal(engine, optimizer, params, expert_groups, joint is not None, config.split_tensors)
+    world_size = dist.get_world_size(group=engine.seq_data_parallel_group)
+    return lays_flat(config, engine.device.type == "cpu", world_size, refusal)
 
 
 def lays_flat(config: TensorShardConfig, on_cpu: bool, world_size: int, refusal: str | None) -> bool:

@@ -51,10 +51,6 @@ class FlatParameters:
         self.storage[mine + self.slot :].fill_(-0.0)
         return self.comm.start_all_reduce(self.storage)
 
-    def gather(self, where: Callable[[], str]) -> None:
-        """:meth:`start_gather` and its completion (in stream order on an accelerator)."""
-        wait_or_fail(self.start_gather().describe_as(where).wait, self.comm, where)
-
     def move(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The storage to where ``moved`` puts it (``offload_states``), every parameter a view of it again."""
         self.storage = moved(self.storage)

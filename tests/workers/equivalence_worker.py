@@ -34,7 +34,7 @@ OFFLOAD_EXTENDED = [f"{d}:{m}-offload:{s}" for d, s in (("fp32", 2), ("bf16", 1)
 # bucket_layout "stripes" (one reduce-scatter and one all-gather per bucket) against stock: each stage once
 STRIPE_CASES = ["fp32:ts-stripes:2", "bf16:ts-stripes:1"]
 # bucket_layout "flat" (a flat plan, the parameters views of one storage gathered in place) against stock
-FLAT_CASES = ["fp32:ts-flat:2", "bf16:ts-flat:1"]
+FLAT_CASES = ["fp32:ts-flat:2", "bf16:ts-flat:1", "fp16:ts-flat:2"]
 VOCAB = int(os.environ.get("EQ_VOCAB", "64"))
 OFFLOAD, STRIPES, FLAT = "-offload", "-stripes", "-flat"
 
