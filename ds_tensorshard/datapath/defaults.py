@@ -174,7 +174,7 @@ def choose_layout(
     tensors of ``numels`` elements (registration order), gradients of ``element_bytes`` on the wire; stripes with
     their wire, which routes their collectives (:meth:`LayoutChoice.routes`). ``flat_numel``: the parameters are
     flat (:mod:`~ds_tensorshard.datapath.flat_choice` chose it), in a storage of that many elements: stripes
-    reduce, one all-gather of the storage gathers."""
+    reduce, one collective of the storage (routed as a stripe's gather) gathers."""
     size, size_key = requested_bucket_numel(config, param_dict)
     layout = None if config.bucket_layout == "auto" else config.bucket_layout
     n = len(owned)
