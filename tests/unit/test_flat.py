@@ -11,7 +11,7 @@ import torch
 
 from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, FLAT_WHY, Wire, choose_layout
-from ds_tensorshard.datapath.flat_choice import lays_flat
+from ds_tensorshard.datapath.flat_choice import flat_refusal, lays_flat
 from ds_tensorshard.datapath.flat_parameters import FlatParameters
 from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.datapath.plan import Block
@@ -128,3 +128,31 @@ def test_flat_takes_the_cost_models_bucket_on_accelerators_and_the_measured_one_
     on_cpu = choose_layout(asked, {}, Wire("torch", "torch (gloo)", on_cpu=True), numels, owned, 4, 8 * 48 * 10**6)
     assert (on_cpu.layout, on_cpu.bucket_numel) == ("flat", DEFAULT_BUCKET_NUMEL)
     assert on_cpu.why.startswith("bucket_layout set in the config") and "gathered in place by all-gather" in on_cpu.why
+
+
+class _Engine:
+    """What flat_refusal reads of an engine."""
+
+    def __init__(self, offload: bool = False, mpu: object | None = None) -> None:
+        self.offload, self.mpu = offload, mpu
+
+    def zero_cpu_offload(self) -> bool:
+        return self.offload
+
+
+def test_each_thing_that_rules_flat_out_is_named():
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))]
+    adam, plain = torch.optim.AdamW(params), _Engine()
+
+    def refusal(engine=plain, optimizer=adam, tensors=params, experts=False, joint=False, split="auto"):
+        return flat_refusal(engine, optimizer, tensors, experts, joint, split)
+
+    assert refusal() is None
+    assert refusal(joint=True).startswith("initialize_many")
+    assert refusal(_Engine(offload=True)).startswith("ZeRO-Offload")
+    assert refusal(experts=True).startswith("a mixture-of-experts model")
+    assert refusal(optimizer=torch.optim.LBFGS(params)) == "the LBFGS optimizer, which updates whole matrices"
+    assert refusal(split="never") == "'tensorshard.split_tensors': 'never'"
+    assert refusal(_Engine(mpu=object())).startswith("pipeline or tensor parallelism")
+    mixed = [params[0], torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    assert refusal(optimizer=torch.optim.AdamW(mixed), tensors=mixed).startswith("trained parameters of more than one")
