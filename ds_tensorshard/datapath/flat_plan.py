@@ -1,12 +1,13 @@
 """The flat plan (``bucket_layout: "flat"``): the tensors laid end to end in model order in one flat storage of
-``world_size`` equal slots of ``ceil(total / world_size)`` elements, rank ``r`` owning what lies in slot ``r``.
+``world_size`` equal slots of ``ceil(total / world_size)`` elements (rounded up to :data:`ALIGNMENT`), rank ``r``
+owning what lies in slot ``r``.
 
 Every rank's owned elements are then one contiguous range of the storage, so the updated parameters travel back
 with one collective over the whole storage, in place, as stock ZeRO-1/2 gathers its flat parameter group. A tensor
 laid across a slot boundary is split there into element blocks, one per rank it reaches (at most ``world_size -
-1`` tensors are split; none is padded, so a rank holds at most one block of a tensor and the ranks' loads differ
-by the storage's padding at the end, fewer than ``world_size`` elements). The plan depends only on the tensors'
-order and shapes.
+1`` tensors are split; none is padded, so a rank holds at most one block of a tensor, every slot is full but the
+last ones, and the storage's padding at the end is fewer than ``ALIGNMENT x world_size`` elements, as stock's). The plan
+depends only on the tensors' order and shapes.
 
 Worked example, two ranks, tensors ``a``: 6, ``b``: 4, ``c``: 3, ``d``: 3 elements in model order (total 16, slots
 of 8): ``a`` at 0 on rank 0; ``b`` at 6, split into ``b[0:2]`` on rank 0 and ``b[2:4]`` on rank 1; ``c`` at 10 and
@@ -20,6 +21,9 @@ from collections.abc import Mapping, Sequence
 
 from ds_tensorshard.datapath.plan import Block, OwnershipPlan
 from ds_tensorshard.errors import PlanError
+
+ALIGNMENT = 2  # a slot's elements are a multiple of this, as stock's partitions (nccl_start_alignment_factor): every
+# rank's slot starts 4-byte aligned for NCCL's all-gather, and the storage is exactly as large as stock's flat group
 
 
 def plan_flat(
@@ -37,7 +41,7 @@ def plan_flat(
         numels[name] = shape if isinstance(shape, int) else math.prod(shape)
         offsets[name] = position
         position += numels[name]
-    slot = max(1, -(-position // world_size))
+    slot = -(-max(1, -(-position // world_size)) // ALIGNMENT) * ALIGNMENT
     blocks = {name: _blocks(offsets[name], numel, slot, world_size) for name, numel in numels.items()}
     loads = [0] * world_size
     for cut in blocks.values():
