@@ -434,6 +434,7 @@ def test_saved_and_resumed_at_another_world_size_on_emulated_cuda(runs, tmp_path
     assert_same_run(resumed, runs["2to3"], "resumed at 3 ranks")
 
 
+@pytest.mark.extended  # CI time (two launches, about 25 s); flat parameters' equivalence and offload stay in default
 def test_flat_parameters_save_and_resume_at_any_world_size_in_any_layout(runs, tmp_path):
     """A run with flat parameters (``bucket_layout: "flat"``) saves ds_tensorshard's own checkpoints (every tensor by
     name; a tensor split at a slot boundary as its element blocks): saved flat at 2 ranks, resumed at 3 in windows
