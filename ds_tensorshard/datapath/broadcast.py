@@ -90,7 +90,7 @@ def broadcast_buckets(
 
 
 def start_broadcast(domain: Domain, step: int) -> Broadcast | FlatGather:
-    """A domain's broadcasts of its owners' updated tensors (flat parameters: one all-gather of their storage),
+    """A domain's broadcasts of its owners' updated tensors (flat parameters: one collective of their storage),
     started; ``finish()`` completes them."""
     if domain.flat is not None:
         return FlatGather(domain.flat, lambda: f"step {step}, gather of the flat parameters of {domain.name}")

@@ -191,7 +191,7 @@ def stripes_fit(
 ) -> int:
     """The bucket size (``n x slot``, at most ``max_numel`` where a slot of one element allows it) of the most
     stripes over a fullest rank of ``fullest`` elements whose reduce-scatters and all-gathers (``flat_numel``: and
-    the flat parameters' one all-gather) take at most ``limit_s``; where none does, the fewest stripes that
+    the flat parameters' one gather of their storage) take at most ``limit_s``; where none does, the fewest stripes that
     ``max_numel`` allows (the fastest within it)."""
     fewest = -(-fullest // max(1, max_numel // n)) if fullest else 1
 
