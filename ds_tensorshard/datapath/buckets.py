@@ -39,8 +39,10 @@ class Piece:
         return self.stop - self.start
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The same elements of a contiguous tensor shaped like the parameter (its data or gradient), as a view."""
-        return tensor.view(-1)[self.start : self.stop]
+        """The same elements of a contiguous tensor shaped like the parameter (its data or gradient), as a view
+        (a whole tensor's without a slice: one operator dispatched, not two)."""
+        flat = tensor.view(-1)
+        return flat if self.start == 0 and self.stop == flat.numel() else flat[self.start : self.stop]
 
 
 @dataclass(frozen=True)

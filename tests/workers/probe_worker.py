@@ -12,7 +12,9 @@ recorded with whether it blocks the host and whether it ran inside a gradient ho
 seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
 ``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage 2, both sides at
-their defaults: the ATen operators and host syncs of the second ``engine.step()``, and the losses.
+their defaults: the ATen operators and host syncs of the second ``engine.step()``, of its backward and of its
+whole iteration, the model's own forward and backward before any engine (``model_ops``), what backward
+dispatched beyond those (``extra_backward``, by name), and the losses.
 """
 
 from __future__ import annotations
@@ -236,21 +238,34 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
     with model_device():
         model = LoRAStack(vocab=1024, seq=32, width=128, layers=int(os.environ.get("PROBE_LORA_LAYERS", 1000)))
     trained = [p for p in model.parameters() if p.requires_grad]
+    tokens = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(rank))
+    tokens = tokens.to(trained[0].device)
+    with OpCounter() as bare_forward:  # the model's own, before any engine
+        loss = model(tokens)
+    with OpCounter() as bare_backward:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
     config = at_defaults(ds_config("fp32", mode, 2, world), world)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
-    tokens = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(rank)).to(engine.device)
     losses = []
-    for _ in range(2):  # the second step counted (the first makes the optimizer state)
-        loss = engine(tokens)
-        engine.backward(loss)
-        with OpCounter() as counter:
-            engine.step()
+    for _ in range(2):  # the second iteration counted (the first makes the optimizer state)
+        with OpCounter() as iteration:
+            loss = engine(tokens)
+            with OpCounter() as backward:
+                engine.backward(loss)
+            with OpCounter() as counter:
+                engine.step()
         losses.append(loss.item())
     return {
         "tensors": len(trained),
         "aten_ops_per_step": counter.total,
         "ops": dict(counter.ops),
         "host_syncs_per_step": counter.host_syncs,
+        "aten_ops_in_backward": backward.total,
+        "model_ops": {"forward": bare_forward.total, "backward": bare_backward.total},
+        "extra_backward": dict(backward.ops - bare_backward.ops),
+        "aten_ops_per_iteration": iteration.total,
+        "host_syncs_per_iteration": iteration.host_syncs,
         "losses": losses,
     }
 
