@@ -21,6 +21,7 @@ import torch
 
 from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.norm import NormRules
+from ds_tensorshard.datapath.param_homes import ParameterHomes
 from ds_tensorshard.datapath.update import OwnedShard
 
 
@@ -35,9 +36,15 @@ class EarlyUpdate:
     where the first update was given to the host worker is kept in ``first_update_at``."""
 
     def __init__(
-        self, shard: OwnedShard, rank: int, at_boundary: Callable[[], bool], progress: Callable[[], tuple[int, int]]
+        self,
+        shard: OwnedShard,
+        rank: int,
+        at_boundary: Callable[[], bool],
+        progress: Callable[[], tuple[int, int]],
+        homes: ParameterHomes,
     ) -> None:
         self.shard, self.rank, self.at_boundary, self.progress = shard, rank, at_boundary, progress
+        self.homes = homes
         self.arrived: Counter[torch.nn.Parameter] = Counter()
         self.expected: Counter[torch.nn.Parameter] = Counter()
         self.first_update_at: tuple[int, int] | None = None
@@ -64,6 +71,7 @@ class EarlyUpdate:
         if complete:
             if self.first_update_at is None:
                 self.first_update_at = self.progress()
+            self.homes.restore(complete)  # their gradients are final: the update goes where step() points them
             worker = self.shard.grads.worker
             assert worker is not None, "early updates only with ZeRO-Offload"
             worker.submit(lambda: self.shard.step(complete))

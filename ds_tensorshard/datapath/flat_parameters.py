@@ -9,7 +9,6 @@ from collections.abc import Callable
 import torch
 
 from ds_tensorshard.datapath.plan import OwnershipPlan
-from ds_tensorshard.errors import TensorShardUsageError
 from ds_tensorshard.transports.deadline import wait_or_fail
 from ds_tensorshard.transports.protocol import Pending, Transport
 
@@ -43,7 +42,6 @@ class FlatParameters:
         """Every rank's slot to every rank, in place (each owner's updated tensors are in its slot already): one
         all-gather, or one all-reduce with every other slot -0.0 first (adding -0.0 keeps each value and a zero's
         sign)."""
-        self._check()
         if not self.by_all_reduce:
             return self.comm.start_all_gather(self.storage, self.slot)
         mine = self.comm.rank * self.slot
@@ -55,18 +53,6 @@ class FlatParameters:
         """The storage to where ``moved`` puts it (``offload_states``), every parameter a view of it again."""
         self.storage = moved(self.storage)
         self._lay(lambda param, view: None)
-
-    def _check(self) -> None:
-        """Refuse to gather where a parameter's ``.data`` was replaced: the gather would not reach it."""
-        base, size = self.storage.data_ptr(), self.storage.element_size()
-        for param, offset in zip(self.params, self.offsets):
-            if param.data_ptr() != base + offset * size:
-                raise TensorShardUsageError(
-                    f"parameter '{self.name_of(param)}' no longer lies in ds_tensorshard's flat parameter storage "
-                    "(its .data was replaced after deepspeed.initialize), so the updated values would not reach "
-                    "it; copy into it instead (param.data.copy_(...)), or set 'tensorshard.bucket_layout' to "
-                    "'stripes'"
-                )
 
 
 class FlatGather:

@@ -28,6 +28,7 @@ from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
 from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.flat_parameters import FlatParameters
+from ds_tensorshard.datapath.param_homes import ParameterHomes
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.errors import TensorShardUsageError
 
@@ -60,9 +61,11 @@ class StateOffload:
         shard: OwnedShard,
         params: Sequence[torch.nn.Parameter],
         buckets: Callable[[], Iterable[Bucket]],
+        homes: ParameterHomes,
         flat: FlatParameters | None = None,
     ) -> None:
         self.shard, self.params, self.buckets = shard, list(params), buckets  # every domain's, as they are now
+        self.homes = homes  # where the parameters are pointed back before an update: follows their moves
         self.flat = flat  # flat parameters move as their one storage
         self.offloaded: set[OffloadStateTypeEnum] = set()
 
@@ -110,6 +113,7 @@ class StateOffload:
             for param in self.params:
                 if self.flat is None or param not in self.flat:
                     param.data = moved(param.data)
+            self.homes.follow()
             shard.relink_views()
         elif state is OffloadStateTypeEnum.lp_grads:
             shard.move_grads(moved)

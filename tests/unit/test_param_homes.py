@@ -1,0 +1,76 @@
+"""A parameter whose ``.data`` was replaced after initialize is pointed back at its home before an update, as
+stock ZeRO-1/2 points every parameter back at its flat group after each step."""
+
+from __future__ import annotations
+
+import deepspeed
+import pytest
+import torch
+
+from ds_tensorshard.datapath.flat_parameters import FlatParameters
+from ds_tensorshard.datapath.flat_plan import plan_flat
+from ds_tensorshard.datapath.param_homes import ParameterHomes
+from ds_tensorshard.examples.host_cost import InstantComm
+from tests.unit.test_config import base_config
+from tests.unit.test_flat import _model_params
+
+
+def test_a_parameter_given_new_storage_is_pointed_back_at_its_home():
+    params, before = _model_params()
+    plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    homes = ParameterHomes(list(params.values()))
+    params["b"].data = torch.zeros(5)  # new storage
+    params["w"].data = params["w"].data.to(torch.float64)  # a cast in forward: a copy in another dtype
+    homes.restore([params["b"]])
+    assert params["b"].data_ptr() == flat.storage.data_ptr() + plan.flat_offsets["b"] * 4
+    assert params["w"].dtype == torch.float64  # not asked for
+    homes.restore()
+    base = flat.storage.data_ptr()
+    for (name, param), value in zip(params.items(), before):  # in place again, the storage's values
+        assert param.data_ptr() == base + plan.flat_offsets[name] * 4 and param.dtype == torch.float32
+        assert torch.equal(param.data, value)
+    flat.move(lambda t: t.clone())  # offload_states moves the storage: the homes follow
+    homes.follow()
+    params["b"].data = torch.zeros(5)
+    homes.restore()
+    assert params["b"].data_ptr() == flat.storage.data_ptr() + plan.flat_offsets["b"] * 4
+
+
+class CastingRouter(torch.nn.Module):
+    """A layer and a router that casts itself to fp32 in every forward, as Switch Transformers' router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.router = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.router = self.router.to(torch.float32)  # bf16 parameters: .data replaced by an fp32 copy
+        return self.router(self.body(x).float()).square().mean()
+
+
+@pytest.mark.parametrize("layout", ["windows", "stripes", "flat"])
+def test_a_module_that_casts_itself_in_forward_trains_as_under_stock(layout):
+    """bf16, one rank: the router's .data is an fp32 copy after each forward; stock ZeRO-2 points every parameter
+    back at its flat group after each step (the router trains at bf16 precision, its fp32 master keeping the
+    update's precision), and ds_tensorshard does the same in every layout: the same losses and parameters, bit for
+    bit."""
+    runs = {}
+    for block in ({"enabled": False}, {"enabled": True, "bucket_layout": layout}):
+        torch.manual_seed(0)
+        model = CastingRouter()
+        config = base_config(bf16={"enabled": True}, tensorshard=block)
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        losses = []
+        for step in range(4):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[type(opt).__name__] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    (stock_losses, stock), (ours_losses, ours) = runs["DeepSpeedZeroOptimizer"], runs["TensorShardOptimizer"]
+    assert ours_losses == stock_losses and len(set(stock_losses)) == 4
+    assert all(p.dtype == torch.bfloat16 for p in stock.values())  # pointed back: bf16 again
+    for name, value in stock.items():
+        assert ours[name].dtype == value.dtype and torch.equal(ours[name], value), name
