@@ -148,14 +148,16 @@ def build_buckets(
     blocks_of: Callable[[torch.nn.Parameter], Sequence[Block]],
     bucket_numel: int,
     comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None] = lambda param: None,
+    dtype_of: Callable[[torch.nn.Parameter], torch.dtype] = lambda param: param.dtype,
 ) -> list[Bucket]:
-    """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype and
-    communication dtype (``comm_dtype_of``; None: the config's)."""
+    """Cut ``params`` (given in backward order) into buckets of ``bucket_numel`` elements per dtype (``dtype_of``:
+    the one a parameter was planned in, whatever a module cast it to since) and communication dtype
+    (``comm_dtype_of``; None: the config's)."""
     streams: dict[tuple[torch.dtype, torch.dtype | None], list[_Unit]] = {}
     for param in params:
         for block in blocks_of(param):
             if block.numel:
-                key = (param.dtype, comm_dtype_of(param))
+                key = (dtype_of(param), comm_dtype_of(param))
                 streams.setdefault(key, []).append(_Unit(param, block.rank, block.start, block.stop))
     buckets = []
     for (dtype, comm_dtype), units in streams.items():
@@ -199,18 +201,19 @@ def build_stripes(
     world_size: int,
     comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype | None] = lambda param: None,
     routes: Callable[[int], tuple[bool, bool]] = lambda nbytes: (False, False),
+    dtype_of: Callable[[torch.nn.Parameter], torch.dtype] = lambda param: param.dtype,
 ) -> list[Bucket]:
     """Buckets as stripes across the ranks: per dtype and communication dtype, each rank's owned units (in
     ``params``' backward order) form its own stream, and bucket ``k`` holds elements ``[k x slot, (k + 1) x
     slot)`` of every rank's stream, ``slot = bucket_numel // world_size`` (the last bucket as much as the
     fullest rank has left). Ownership is the plan's; a unit crossing a slot boundary travels in two pieces.
     ``routes(nbytes)`` says which of a stripe's collectives go as all-reduces (``Bucket.by_all_reduce``), by its
-    size in its communication dtype (else its own)."""
+    size in its communication dtype (else its own). ``dtype_of`` as in :func:`build_buckets`."""
     streams: dict[tuple[torch.dtype, torch.dtype | None], list[list[_Unit]]] = {}
     for param in params:
         for block in blocks_of(param):
             if block.numel:
-                key = (param.dtype, comm_dtype_of(param))
+                key = (dtype_of(param), comm_dtype_of(param))
                 per_rank = streams.setdefault(key, [[] for _ in range(world_size)])
                 per_rank[block.rank].append(_Unit(param, block.rank, block.start, block.stop))
     buckets = []

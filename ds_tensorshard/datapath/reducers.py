@@ -48,13 +48,18 @@ def start_reducers(
 ) -> None:
     """Give each domain its reducer, its first buckets in the reverse of model order (backward's, roughly)."""
 
+    # the dtypes as planned: rebuilt after the first backward, the buckets keep them where a module cast a
+    # parameter in forward (its gradient travels in the planned dtype, as stock's bucket is chosen by the config)
+    planned = {param: param.dtype for domain in domains.values() for param in domain.params}
+
     def build(domain: Domain, backward_order: list[torch.nn.Parameter]) -> list[Bucket]:
-        blocks_of, numel = domain.plan.blocks_of, layout.bucket_numel
+        blocks_of, numel, dtype_of = domain.plan.blocks_of, layout.bucket_numel, planned.__getitem__
         if layout.layout in ("stripes", "flat"):  # flat parameters: reduced by stripes
             n = domain.comm.world_size
-            buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, layout.routes(n).of)
+            routes = layout.routes(n).of
+            buckets = build_stripes(backward_order, blocks_of, numel, n, comm_dtype_of, routes, dtype_of)
         else:
-            buckets = build_buckets(backward_order, blocks_of, numel, comm_dtype_of)
+            buckets = build_buckets(backward_order, blocks_of, numel, comm_dtype_of, dtype_of)
         if early is not None:
             early.expect(buckets)
         return buckets
