@@ -117,7 +117,7 @@ def open_domains(
         if flat:
             shapes = [(names[p], tuple(p.shape)) for p in members]
             plan = plan_flat(shapes, comm.world_size, {id(p): names[p] for p in members})
-            domains[name] = Domain(name, comm, members, plan, FlatParameters(members, plan, comm, names.__getitem__))
+            domains[name] = Domain(name, comm, members, plan, FlatParameters(members, plan, comm))
             continue
         plan = plan_for(optimizer, {p: names[p] for p in members}, comm.world_size, config.split_tensors, joint)
         domains[name] = Domain(name, comm, members, plan)

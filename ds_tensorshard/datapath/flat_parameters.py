@@ -16,10 +16,8 @@ from ds_tensorshard.transports.protocol import Pending, Transport
 class FlatParameters:
     """The storage and the parameters laid in it (each ``.data`` a view at its plan offset; the padding zeros)."""
 
-    def __init__(
-        self, params: list[torch.nn.Parameter], plan: OwnershipPlan, comm: Transport, name_of: Callable[..., str]
-    ) -> None:
-        self.params, self.comm, self.slot, self.name_of = params, comm, plan.flat_slot, name_of
+    def __init__(self, params: list[torch.nn.Parameter], plan: OwnershipPlan, comm: Transport) -> None:
+        self.params, self.comm, self.slot = params, comm, plan.flat_slot
         self.offsets = [plan.flat_offsets[plan.name_of(param)] for param in params]
         self.ids = {id(param) for param in params}
         self.by_all_reduce = False  # set with the layout: gathered as one all-reduce (StripeRoutes), not an all-gather

@@ -56,7 +56,7 @@ def _model_params(dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.n
 def test_the_parameters_become_views_of_one_storage_with_their_values():
     params, before = _model_params()
     plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
-    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2))
     assert flat.storage.numel() == 2 * plan.flat_slot == 20 and not flat.storage[17:].any()  # 17 elements, 10 a slot
     base = flat.storage.data_ptr()
     for (name, param), value in zip(params.items(), before):
@@ -68,7 +68,7 @@ def test_the_parameters_become_views_of_one_storage_with_their_values():
 def test_a_gather_by_all_reduce_leaves_minus_zero_in_the_other_slots():
     params, before = _model_params()
     plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
-    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2))
     flat.by_all_reduce = True
     flat.start_gather().wait()  # moves nothing: rank 0's slot kept, rank 1's -0.0 (what the sum adds to)
     assert torch.equal(flat.storage[:10], torch.cat([before[0].view(-1), before[1]])[:10])  # w[0:10] is rank 0's

@@ -18,7 +18,7 @@ from tests.unit.test_flat import _model_params
 def test_a_parameter_given_new_storage_is_pointed_back_at_its_home():
     params, before = _model_params()
     plan = plan_flat([(n, tuple(p.shape)) for n, p in params.items()], 2, {id(p): n for n, p in params.items()})
-    flat = FlatParameters(list(params.values()), plan, InstantComm(2), lambda p: "w")
+    flat = FlatParameters(list(params.values()), plan, InstantComm(2))
     homes = ParameterHomes(list(params.values()))
     params["b"].data = torch.zeros(5)  # new storage
     params["w"].data = params["w"].data.to(torch.float64)  # a cast in forward: a copy in another dtype
