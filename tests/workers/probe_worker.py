@@ -14,7 +14,8 @@ a GPU, the longest gap between kernels during a backward (torch.profiler).
 ``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage 2, both sides at
 their defaults: the ATen operators and host syncs of the second ``engine.step()``, of its backward and of its
 whole iteration, the model's own forward and backward before any engine (``model_ops``), what backward
-dispatched beyond those (``extra_backward``, by name), and the losses.
+dispatched beyond those (``extra_backward``, by name), the losses, and on a GPU the median seconds of 3 more
+iterations.
 """
 
 from __future__ import annotations
@@ -230,6 +231,22 @@ def at_defaults(config: dict, world: int) -> dict:
     return config
 
 
+def iteration_seconds(engine: Any, tokens: torch.Tensor) -> float | None:
+    """On a GPU, the median seconds of 3 whole iterations (for a small model, the host issuing them); None
+    elsewhere (on CPU ranks or emulated CUDA the host also computes: the bench measures that)."""
+    if not torch.cuda.is_available():
+        return None
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.backward(engine(tokens))
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
 def lora_ops(rank: int, world: int, mode: str) -> dict:
     from ds_tensorshard.bench.op_count import OpCounter
     from ds_tensorshard.commands.models import LoRAStack
@@ -258,6 +275,7 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
         losses.append(loss.item())
     return {
         "tensors": len(trained),
+        "iteration_s": iteration_seconds(engine, tokens),
         "aten_ops_per_step": counter.total,
         "ops": dict(counter.ops),
         "host_syncs_per_step": counter.host_syncs,
