@@ -38,7 +38,6 @@ from ds_tensorshard.datapath.inner_optimizer import check_supported, keep_owned_
 from ds_tensorshard.datapath.intake import GradientIntake
 from ds_tensorshard.datapath.norm import Decision, NormRules, counted_in_norm, decide, loss_scaler_of, norm_over_ranks
 from ds_tensorshard.datapath.offload import OffloadMethods, StateOffload
-from ds_tensorshard.datapath.param_homes import ParameterHomes
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.precision import master_dtype
@@ -143,8 +142,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         buckets = functools.partial(all_buckets, self.domains)
-        self.homes = ParameterHomes(self.params)  # as the domains laid them out
-        self.offload = StateOffload(self.shard, self.params, buckets, self.homes, self.domains[DENSE].flat)
+        self.offload = StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         coalescing = lambda: self._coalesce_grad_reduction  # noqa: E731
@@ -156,7 +154,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         # not on a PipelineEngine: it reduces once, at the end of the batch (as stock ZeRO-1)
         if updates_early(self.rules, self.host is not None) and not isinstance(engine, PipelineEngine):
             done = functools.partial(reductions_done, self.domains)
-            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, done, self.homes)
+            self.early = EarlyUpdate(self.shard, self.comm.rank, self._at_boundary, done, self.offload.homes)
         # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
         averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
         boundary = lambda: engine.micro_steps if self._at_boundary() else None  # noqa: E731
@@ -266,7 +264,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
             return
         if decision.divisor is not None:
             self.shard.scale_grads(1.0 / decision.divisor)
-        self.homes.restore()  # as stock points its parameters back at its flat group
+        self.offload.homes.restore()  # as stock points its parameters back at its flat group
         if self.host is not None and not self._defer_broadcast:  # ZeRO-Offload: updates pipelined with broadcasts
             at = update_while_broadcasting(self.shard, self.buckets, self.comm, self.reducer.describe)
             self.last_update_at = at or self.last_update_at  # (buckets sent, buckets) at this rank's last update

@@ -54,18 +54,18 @@ class OffloadMethods:
 
 
 class StateOffload:
-    """Which states are off the device, and the moves that put them there and back."""
+    """Which states are off the device, the moves that put them there and back, and where the parameters live
+    meanwhile (:attr:`homes`, which a step points replaced ones back at)."""
 
     def __init__(
         self,
         shard: OwnedShard,
         params: Sequence[torch.nn.Parameter],
         buckets: Callable[[], Iterable[Bucket]],
-        homes: ParameterHomes,
         flat: FlatParameters | None = None,
     ) -> None:
         self.shard, self.params, self.buckets = shard, list(params), buckets  # every domain's, as they are now
-        self.homes = homes  # where the parameters are pointed back before an update: follows their moves
+        self.homes = ParameterHomes(self.params)  # where an update points them back: follows the moves here
         self.flat = flat  # flat parameters move as their one storage
         self.offloaded: set[OffloadStateTypeEnum] = set()
 
