@@ -3,7 +3,6 @@ stock ZeRO-1/2 points every parameter back at its flat group after each step."""
 
 from __future__ import annotations
 
-import deepspeed
 import pytest
 import torch
 
@@ -11,8 +10,8 @@ from ds_tensorshard.datapath.flat_parameters import FlatParameters
 from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.datapath.param_homes import ParameterHomes
 from ds_tensorshard.examples.host_cost import InstantComm
-from tests.unit.test_config import base_config
 from tests.unit.test_flat import _model_params
+from tests.workers.recast_worker import train_case
 
 
 def test_a_parameter_given_new_storage_is_pointed_back_at_its_home():
@@ -37,40 +36,16 @@ def test_a_parameter_given_new_storage_is_pointed_back_at_its_home():
     assert params["b"].data_ptr() == flat.storage.data_ptr() + plan.flat_offsets["b"] * 4
 
 
-class CastingRouter(torch.nn.Module):
-    """A layer and a router that casts itself to fp32 in every forward, as Switch Transformers' router does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.router = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.router = self.router.to(torch.float32)  # bf16 parameters: .data replaced by an fp32 copy
-        return self.router(self.body(x).float()).square().mean()
-
-
 @pytest.mark.parametrize("layout", ["windows", "stripes", "flat"])
 def test_a_module_that_casts_itself_in_forward_trains_as_under_stock(layout):
-    """bf16, one rank: the router's .data is an fp32 copy after each forward; stock ZeRO-2 points every parameter
-    back at its flat group after each step (the router trains at bf16 precision, its fp32 master keeping the
-    update's precision), and ds_tensorshard does the same in every layout: the same losses and parameters, bit for
-    bit."""
-    runs = {}
-    for block in ({"enabled": False}, {"enabled": True, "bucket_layout": layout}):
-        torch.manual_seed(0)
-        model = CastingRouter()
-        config = base_config(bf16={"enabled": True}, tensorshard=block)
-        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        losses = []
-        for step in range(4):
-            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        runs[type(opt).__name__] = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-    (stock_losses, stock), (ours_losses, ours) = runs["DeepSpeedZeroOptimizer"], runs["TensorShardOptimizer"]
-    assert ours_losses == stock_losses and len(set(stock_losses)) == 4
-    assert all(p.dtype == torch.bfloat16 for p in stock.values())  # pointed back: bf16 again
-    for name, value in stock.items():
-        assert ours[name].dtype == value.dtype and torch.equal(ours[name], value), name
+    """bf16, one rank, clipped (tests/workers/recast_worker.py's training, in this process): the router's .data is
+    an fp32 copy after each forward; stock ZeRO-2 points every parameter back at its flat group after each step (the
+    router trains at bf16 precision, its fp32 master keeping the update's precision), and ds_tensorshard does the
+    same in every layout: the same losses, norms and parameters, bit for bit. (2 ranks: tests/multiprocess/
+    test_recast.py.)"""
+    stock, ours = (train_case(f"{mode}:2:1", 1, 0) for mode in ("stock", layout))
+    assert ours["losses"] == stock["losses"] and len(set(stock["losses"])) == len(stock["losses"])
+    assert ours["norms"] == stock["norms"] and set(stock["router"]) == {"torch.float32"}
+    assert all(p.dtype == torch.bfloat16 for p in stock["params"].values())  # pointed back: bf16 again
+    for name, value in stock["params"].items():
+        assert ours["params"][name].dtype == value.dtype and torch.equal(ours["params"][name], value), name

@@ -18,14 +18,25 @@ import torch
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.transports.torch_comm import close_process_group
 from tests.helpers.emulated_accelerator import init_worker
-from tests.unit.test_param_homes import CastingRouter
 
 STEPS, CLIP = 5, 0.5  # clipping: the norm each step (about 0.6-1.0 here) decides the update
 
 
-def run_case(case: str, out_dir: str) -> None:
+class CastingRouter(torch.nn.Module):
+    """A layer and a router that casts itself to fp32 in every forward, as Switch Transformers' router does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.router = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.router = self.router.to(torch.float32)  # bf16 parameters: .data replaced by an fp32 copy
+        return self.router(self.body(x).float()).square().mean()
+
+
+def train_case(case: str, world: int, rank: int) -> dict:
+    """Train CASE on this rank of ``world``: its losses, norms, the router's dtype after each forward, parameters."""
     mode, stage, gas = case.split(":")
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     block = {"enabled": False} if mode == "stock" else {"enabled": True, "bucket_layout": mode}
     config = {
         "train_batch_size": 2 * int(gas) * world,
@@ -51,7 +62,12 @@ def run_case(case: str, out_dir: str) -> None:
         if boundary:
             norms.append(float(engine.get_global_grad_norm()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    result = {"losses": losses, "norms": norms, "router": router, "params": params}
+    return {"losses": losses, "norms": norms, "router": router, "params": params}
+
+
+def run_case(case: str, out_dir: str) -> None:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    result = train_case(case, world, rank)
     torch.save(result, os.path.join(out_dir, f"{case.replace(':', '_')}.rank{rank}.pt"))
 
 
