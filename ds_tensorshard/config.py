@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ds_tensorshard.errors import RefusedAsStock, TensorShardConfigError
+from ds_tensorshard.stage3_config import validate_stage3, validate_stage3_layout
 
 BLOCK = "tensorshard"
 ENV_SWITCH, ENV_CONFIG = "DS_TENSORSHARD", "DS_TENSORSHARD_CONFIG"  # turn the plugin on for configs built in code
@@ -140,14 +141,16 @@ def validate_engine_config(param_dict: Mapping[str, Any], client_optimizer: Any 
     if stage == 0 or (stage == 3 and from_environment(param_dict)):
         _runs_as_stock(f"'zero_optimization.stage' {stage}")
         return None
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise TensorShardConfigError(
-            f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary) or 2 "
-            f"(reduce every micro-step); got stage {stage!r}"
-            + (". ZeRO-3 splits tensors, which tensor-granular sharding replaces" if stage == 3 else "")
+            f"'{BLOCK}.enabled' needs 'zero_optimization.stage' 1 (reduce at the accumulation boundary), 2 "
+            f"(reduce every micro-step) or 3 (parameters owned whole too); got stage {stage!r}"
         )
-    _check_offload(zero)
-    _refuse_as_stock(zero)
+    if stage == 3:
+        validate_stage3(param_dict, param_dict.get(BLOCK) or {})
+    else:
+        _check_offload(zero)
+        _refuse_as_stock(zero)
     _refuse_unfollowed_keys(param_dict, zero)
     # stock ZeRO-2 asserts these (stage_1_and_2.py), except under gradient_allreduce_op "sum", which ignores them
     if stage == 2 and zero.get("reduce_scatter", True) and not _sums_gradients(param_dict):
@@ -425,6 +428,8 @@ def validate_parallel_layout(model: Any, mpu: Any, param_dict: Mapping[str, Any]
     from deepspeed.pipe import PipelineModule
 
     stage = (param_dict.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 3:
+        validate_stage3_layout(model, mpu)
     if isinstance(model, PipelineModule) and stage >= 2:
         raise TensorShardConfigError(
             "a PipelineModule with 'zero_optimization.stage' 2: ZeRO-2 and ZeRO-3 are incompatible with "

@@ -42,6 +42,7 @@ from ds_tensorshard.config import (
 from ds_tensorshard.datapath.inner_optimizer import check_supported
 from ds_tensorshard.errors import CallRefusedAsStock, PeerLost, TensorShardConfigError
 from ds_tensorshard.full_tensors import attach
+from ds_tensorshard.parameters import init_hooks
 from ds_tensorshard.transports import elastic_store, shutdown
 
 if TYPE_CHECKING:
@@ -117,6 +118,10 @@ def _wrap_configure_zero(original):
         from ds_tensorshard.many import joint_plan_of
         from ds_tensorshard.optimizer import TensorShardOptimizer
 
+        if self.zero_optimization_partition_weights():
+            from ds_tensorshard.stage3 import configure_stage3
+
+            return configure_stage3(self, optimizer, config)
         sharded = TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
         attach(sharded)  # deepspeed.utils.safe_get_full_* / safe_set_full_* on every trained parameter
         return sharded
@@ -191,12 +196,14 @@ def install() -> None:
             setattr(DeepSpeedEngine, name, wrapped)
     fp32_reader.install()
     elastic_store.install()
+    init_hooks.install()
 
 
 def installed() -> bool:
     return (
         fp32_reader.installed()
         and elastic_store.installed()
+        and init_hooks.installed()
         and all(
             getattr(getattr(DeepSpeedEngine, name), _MARK, None) is not None
             for name in _WRAPPERS

@@ -43,7 +43,7 @@ from ds_tensorshard.datapath.plan import OwnershipPlan
 from ds_tensorshard.datapath.precision import master_dtype
 from ds_tensorshard.datapath.reduce import Averaging, autocast_comm_dtypes
 from ds_tensorshard.datapath.reducers import all_buckets, reductions_done, start_reducers
-from ds_tensorshard.datapath.update import OwnedShard
+from ds_tensorshard.datapath.update import OwnedShard, model_block
 from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
 
@@ -70,6 +70,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
     clip_grad: float
     overflow: bool
     _global_grad_norm: float | None
+    storage = staticmethod(model_block)  # where the model keeps a block the rank owns (stage 3: elsewhere)
 
     def __init__(
         self,
@@ -101,7 +102,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
 
     def _read_engine_settings(self, engine: DeepSpeedEngine) -> None:
         self._step_of = lambda: engine.global_steps
-        self.partition_gradients = engine.zero_optimization_stage() == 2
+        self.partition_gradients = engine.zero_optimization_stage() >= 2
         self.rules = NormRules.of(engine, installed_release())
         self.clip_grad = self.rules.clip
         self.dtype, self.accum_dtype = engine.get_data_types()[:2]
@@ -139,7 +140,9 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         dtype = master_dtype(engine, self.optimizer)
-        self.shard = OwnedShard(self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype)
+        self.shard = OwnedShard(
+            self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype, self.storage
+        )
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         buckets = functools.partial(all_buckets, self.domains)
         self.offload = StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)
@@ -264,6 +267,10 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
             return
         if decision.divisor is not None:
             self.shard.scale_grads(1.0 / decision.divisor)
+        self._update_and_send()
+
+    def _update_and_send(self) -> None:
+        """The owners' update, and the updated tensors sent back to every rank (or left in flight, deferred)."""
         self.offload.homes.restore()  # as stock points its parameters back at its flat group
         if self.host is not None and not self._defer_broadcast:  # ZeRO-Offload: updates pipelined with broadcasts
             at = update_while_broadcasting(self.shard, self.buckets, self.comm, self.reducer.describe)

@@ -50,6 +50,7 @@ from ds_tensorshard.datapath.cost_model import (
     stripes_fit,
     tensorshard_stripes_cost,
 )
+from ds_tensorshard.datapath.shapes import numel_of
 
 if TYPE_CHECKING:
     from ds_tensorshard.datapath.domains import Domain
@@ -157,7 +158,7 @@ def layout_for(
         for block in domain.plan.blocks_of(param):
             owned[block.rank] += block.numel
     wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
-    numels, flat_numel = [p.numel() for p in domain.params], domain.plan.flat_slot * domain.comm.world_size
+    numels, flat_numel = [numel_of(p) for p in domain.params], domain.plan.flat_slot * domain.comm.world_size
     return choose_layout(config, param_dict, wire, numels, owned, dtype.itemsize, flat_numel)
 
 

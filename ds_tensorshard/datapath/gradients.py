@@ -29,6 +29,7 @@ from ds_tensorshard.datapath.buckets import Segment
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.host_worker import HostWorker
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.datapath.shapes import numel_of, shape_of
 
 NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8 MiB)
 
@@ -36,12 +37,13 @@ NORM_CHUNK = 1 << 20  # elements cast to fp64 at a time for the gradient norm (8
 def block_shape(param: torch.nn.Parameter, block: Block) -> tuple[int, ...]:
     """The shape of ``param``'s dim-0 block ``block`` (the whole tensor's shape where it is whole; flat where the
     block is not whole rows, as a flat plan's may be)."""
-    if block.numel == param.numel():
-        return tuple(param.shape)
-    row = max(math.prod(param.shape[1:]), 1)
+    shape = shape_of(param)
+    if block.numel == numel_of(param):
+        return shape
+    row = max(math.prod(shape[1:]), 1)
     if block.start % row or block.numel % row:
         return (block.numel,)
-    return (block.numel // row, *param.shape[1:])
+    return (block.numel // row, *shape[1:])
 
 
 @dataclass

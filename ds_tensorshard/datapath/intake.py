@@ -1,6 +1,6 @@
 """Where a gradient goes when backward produces it: into the reducer, or held until the accumulation boundary.
 
-Stage 2 reduces after every backward; stage 1 only in the boundary's backward (outside ``engine.no_sync()``;
+Stages 2 and 3 reduce after every backward; stage 1 only in the boundary's backward (outside ``engine.no_sync()``;
 a PipelineEngine reduces once, at the end of the batch). Until then a stage-1 gradient accumulates in the
 model, or, where ``grad_accum_dtype`` is wider than the model's dtype, held in that dtype here.
 """
@@ -56,7 +56,7 @@ class GradientIntake:
     ) -> GradientIntake:
         """The intake of an engine's ZeRO stage (see the module's account); ``coalescing``: inside the engine's
         ``coalesce_grad_reduction()`` block, whose backwards reduce nothing (:mod:`~ds_tensorshard.coalesce`)."""
-        stage1 = engine.zero_optimization_stage() != 2
+        stage1 = engine.zero_optimization_stage() == 1
         pipeline = isinstance(engine, PipelineEngine)  # it runs backward itself and reduces once (as stock ZeRO-1)
         dtype, accum_dtype = engine.get_data_types()[:2]
 

@@ -132,9 +132,12 @@ class NormRules:
     compute_norm: bool  # zero_optimization.compute_grad_norm (DeepSpeed before 0.19.7 always computes it)
     checks_overflow: bool  # fp16/fp32 always; bf16 only with bf16.check_grad_overflow (never through 0.17.0)
     overflow_norm_is_inf: bool  # after an overflow get_global_grad_norm() is inf (0.19.8), else the last norm
+    reports_after_update: bool = False  # stage 3 reports the norm over the loss scale after its update
 
     @classmethod
     def of(cls, engine: Any, release: tuple[int, ...]) -> NormRules:
+        if engine.zero_optimization_partition_weights():  # stock ZeRO-3: an invalid norm always skips the step
+            return cls(float(engine.gradient_clipping()), True, True, True, reports_after_update=True)
         bf16 = getattr(engine._config, "bfloat16_config", None)
         return cls(
             clip=float(engine.gradient_clipping()),
@@ -171,6 +174,8 @@ def decide(
         reported = None if not rules.compute_norm else float("inf") if rules.overflow_norm_is_inf else previous
         return Decision(overflow=True, divisor=None, reported=reported)
     reported = unscaled if rules.compute_norm else None
+    if reported is not None and rules.reports_after_update:
+        reported = reported * scale_before / scale_after
     if rules.clip == 0.0 and scale_after == 1.0:
         return Decision(overflow=False, divisor=None, reported=reported)
     divisor: float | torch.Tensor = scale_after

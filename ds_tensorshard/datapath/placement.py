@@ -6,12 +6,13 @@ import torch
 
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work, orthogonalized_params, whole_matrix_params
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.datapath.shapes import numel_of, shape_of
 from ds_tensorshard.errors import TensorShardConfigError
 
 
 def trainable_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.nn.Parameter]]:
     """The optimizer's groups without frozen or zero-element tensors (nothing to update: dropped, as stock)."""
-    return [[p for p in group["params"] if p.requires_grad and p.numel() > 0] for group in optimizer.param_groups]
+    return [[p for p in group["params"] if p.requires_grad and numel_of(p) > 0] for group in optimizer.param_groups]
 
 
 def in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -28,7 +29,7 @@ def in_model_order(groups: list[list[torch.nn.Parameter]], module: torch.nn.Modu
     if len(ordered) != len(in_groups):
         stray = next(p for group in groups for p in group if p not in set(ordered))
         raise TensorShardConfigError(
-            f"an optimizer parameter of shape {tuple(stray.shape)} is not a parameter of the model given "
+            f"an optimizer parameter of shape {shape_of(stray)} is not a parameter of the model given "
             "to deepspeed.initialize; ds_tensorshard plans by parameter name"
         )
     return ordered
@@ -45,9 +46,9 @@ def plan_for(
     ``names`` alone. Matrices the inner optimizer needs whole are never split; Newton-Schulz work is balanced."""
     whole = {names[p] for p in whole_matrix_params(optimizer) if p in names}
     if joint_plan is None:
-        work = {names[p]: newton_schulz_work(tuple(p.shape)) for p in orthogonalized_params(optimizer) if p in names}
+        work = {names[p]: newton_schulz_work(shape_of(p)) for p in orthogonalized_params(optimizer) if p in names}
         return plan_ownership(
-            ((name, tuple(p.shape)) for p, name in names.items()),
+            ((name, shape_of(p)) for p, name in names.items()),
             world_size,
             param_names={id(p): name for p, name in names.items()},
             split=split,
@@ -62,7 +63,7 @@ def plan_for(
     missing = next((p for p in names if id(p) not in joint_plan.param_names), None)
     if missing is not None:
         raise TensorShardConfigError(
-            f"a trainable parameter of shape {tuple(missing.shape)} is not in the shared plan: "
+            f"a trainable parameter of shape {shape_of(missing)} is not in the shared plan: "
             "initialize_many plans the models' named_parameters() that require grad"
         )
     split_name = next((names[p] for p in names if names[p] in whole and len(joint_plan.blocks_of(p)) > 1), None)

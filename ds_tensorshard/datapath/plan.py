@@ -139,10 +139,12 @@ def plan_ownership(
     split: SplitMode = "auto",
     unsplittable: AbstractSet[str] = frozenset(),
     work: Mapping[str, float] | None = None,
+    loads: Sequence[int] | None = None,
 ) -> OwnershipPlan:
     """Split named tensors ``(name, shape)`` into ``world_size`` sets balanced by element count.
 
-    A bare int is the element count of a 1-D tensor.
+    A bare int is the element count of a 1-D tensor. ``loads``: elements each rank holds already (another
+    plan's), which the balance counts; ``numel_per_rank`` then includes them.
     """
     if world_size < 1:
         raise PlanError(f"world_size must be >= 1, got {world_size}")
@@ -156,19 +158,23 @@ def plan_ownership(
     numels = {name: math.prod(shape) for name, shape in shapes.items()}
     work = dict(work or {})
     placed, start, work_loads = _by_work(work, numels, world_size)
+    if loads is not None:
+        if len(loads) != world_size:
+            raise PlanError(f"loads has {len(loads)} entries for a world size of {world_size}")
+        start = [a + b for a, b in zip(start, loads)]
     order = sorted((n for n in numels if n not in placed), key=lambda n: (-numels[n], n))
-    blocks, loads = _largest_first(order, numels, start)
-    ideal = sum(numels.values()) / world_size
-    if split == "auto" and ideal and max(loads) > TARGET_IMBALANCE * ideal:
+    blocks, per_rank = _largest_first(order, numels, start)
+    ideal = (sum(numels.values()) + sum(loads or ())) / world_size
+    if split == "auto" and ideal and max(per_rank) > TARGET_IMBALANCE * ideal:
         row_numel = {name: math.prod(shape[1:]) for name, shape in shapes.items()}
-        blocks, loads = _fill_with_blocks(
+        blocks, per_rank = _fill_with_blocks(
             order, numels, row_numel, start, int(TARGET_IMBALANCE * ideal), FILL * ideal, unsplittable
         )
     return OwnershipPlan(
         world_size=world_size,
         blocks={**placed, **blocks},
         numels=numels,
-        numel_per_rank=tuple(loads),
+        numel_per_rank=tuple(per_rank),
         param_names=dict(param_names or {}),
         work_per_rank=tuple(work_loads) if work else (),
     )

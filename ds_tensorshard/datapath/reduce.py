@@ -43,6 +43,8 @@ class Averaging:
         if not engine.gradient_average:
             return cls(comm_dtype=comm_dtype)
         data_parallel = world_size / float(engine.sequence_parallel_size)
+        if engine.zero_optimization_partition_weights():  # stock ZeRO-3 divides before the sum, always
+            return cls(divide_before=data_parallel, comm_dtype=comm_dtype)
         if engine.zero_reduce_scatter() or not engine.zero_contiguous_gradients() or not engine.postscale_gradients():
             return cls(divide_before=data_parallel, comm_dtype=comm_dtype)
         predivide = float(engine.gradient_predivide_factor())

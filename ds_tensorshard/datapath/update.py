@@ -21,6 +21,7 @@ from ds_tensorshard.datapath.gradients import OwnedGradients, block_shape
 from ds_tensorshard.datapath.host import HostMemory
 from ds_tensorshard.datapath.muon_offload import DeviceMuon, device_matrices
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.datapath.shapes import numel_of
 
 
 class OwnedShard:
@@ -45,8 +46,10 @@ class OwnedShard:
         host: HostMemory | None = None,
         counted: Callable[[torch.nn.Parameter], bool] = lambda p: True,
         master_dtype: torch.dtype = torch.float32,
+        storage: Callable[[torch.nn.Parameter, Block], torch.Tensor] | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self.storage = storage or model_block  # where the model keeps an owned block (stage 3: its ds_tensor)
         self.master_dtype = master_dtype  # bf16 with bf16_master_weights_and_grads (datapath/precision.py)
         self.device = device
         self.host = host
@@ -62,7 +65,7 @@ class OwnedShard:
         for g, (group, owned) in enumerate(zip(optimizer.param_groups, owned_by_group)):
             masters = []
             for param, block in owned:
-                own = param.detach().view(-1)[block.start : block.stop].view(block_shape(param, block))
+                own = self.storage(param, block).view(block_shape(param, block))
                 if host is not None:
                     master = host.fetch(own, master_dtype)
                 elif param.dtype == master_dtype:
@@ -85,7 +88,7 @@ class OwnedShard:
         self._adam = AdamLists(optimizer) if fp32 and AdamLists.applies(optimizer) else None  # lists made once
 
     def is_whole(self, param: torch.nn.Parameter) -> bool:
-        return self.blocks[param].numel == param.numel()
+        return self.blocks[param].numel == numel_of(param)
 
     @torch.no_grad()
     def accept(self, bucket: Bucket, segment: torch.Tensor, rank: int) -> None:
@@ -216,8 +219,7 @@ class OwnedShard:
         self.masters[param] = new
 
     def _own(self, param: torch.nn.Parameter) -> torch.Tensor:
-        block = self.blocks[param]
-        return param.data.view(-1)[block.start : block.stop]
+        return self.storage(param, self.blocks[param])
 
     def _own_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """:meth:`_own`, made once and again only where the model's tensor moved (its storage changed)."""
@@ -264,6 +266,11 @@ class OwnedShard:
             own = self._own(param)
             if master.data_ptr() != own.data_ptr():
                 master.view(-1).copy_(own)
+
+
+def model_block(param: torch.nn.Parameter, block: Block) -> torch.Tensor:
+    """Where the model keeps ``param``'s owned ``block`` at stages 1/2: a flat view of the parameter's own tensor."""
+    return param.data.view(-1)[block.start : block.stop]
 
 
 def align_step_counts(optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,93 @@
+"""Gathering whole tensors from their owners: one collective per batch of parameters and dtype.
+
+A batch is what DeepSpeed's stage-3 coordinator fetches at once (a module's parameters, and the ones it prefetches),
+in ``ds_id`` order on every rank. Its owned blocks are laid rank-major in one flat buffer (rank 0's blocks first, each
+rank's in the batch's order): each owner copies its blocks into its span, and the spans move with one broadcast from
+each owner present (:meth:`~ds_tensorshard.transports.protocol.Transport.start_broadcast_segments`: the bytes of an
+all-gather, nothing padded). Afterwards a parameter owned whole is a view of the buffer (its owner's, its own
+tensor); a parameter owned in dim-0 blocks by several ranks is put together from its blocks.
+
+Example, two ranks, a batch ``[a (owner 1, 6 elements), b (owner 0, 4), c (owner 1, 2)]``: the buffer is
+``[b | a | c]``, spans ``(0, 0, 4)`` and ``(1, 4, 8)``; rank 1 copies ``a`` and ``c`` into elements 4-12 and
+rank 0 ``b`` into 0-4; after the two broadcasts ``a`` is ``buffer[4:10]`` on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.transports.protocol import Pending, Span, Transport
+
+
+@dataclass
+class GatherLayout:
+    """Where a batch's blocks lie in its flat buffer (made once per batch, see the module's account)."""
+
+    numel: int
+    spans: list[Span]
+    pieces: list[list[tuple[int, int]]]
+    """Per parameter of the batch, its blocks' ``(offset, numel)`` in the buffer, in storage order."""
+    mine: list[tuple[int, int]] = field(default_factory=list)
+    """This rank's blocks: ``(parameter index, offset)``, in buffer order (its span, back to back)."""
+
+    @classmethod
+    def of(cls, blocks: Sequence[Sequence[Block]], rank: int) -> GatherLayout:
+        """The layout of a batch whose parameters have ``blocks`` (each in storage order), for ``rank``."""
+        by_rank: dict[int, list[tuple[int, Block]]] = {}
+        for index, held in enumerate(blocks):
+            for block in held:
+                by_rank.setdefault(block.rank, []).append((index, block))
+        at: dict[tuple[int, int], int] = {}
+        spans, mine, offset = [], [], 0
+        for owner in sorted(by_rank):
+            start = offset
+            for index, block in by_rank[owner]:
+                at[(index, block.start)] = offset
+                if owner == rank:
+                    mine.append((index, offset))
+                offset += block.numel
+            spans.append((owner, start, offset - start))
+        pieces = [[(at[(i, b.start)], b.numel) for b in held] for i, held in enumerate(blocks)]
+        return cls(offset, spans, pieces, mine)
+
+
+class GatherInFlight:
+    """A batch's collective in flight; :meth:`wait` completes it and gives each parameter its whole tensor."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], layout: GatherLayout, flat: torch.Tensor, pending: Pending
+    ) -> None:
+        self.params, self.layout, self.flat, self.pending = params, layout, flat, pending
+
+    def wait(self) -> list[torch.Tensor]:
+        """The whole tensors, in the batch's order (each shaped as its parameter)."""
+        self.pending.wait()
+        flat = self.flat
+        whole = []
+        for param, pieces in zip(self.params, self.layout.pieces):
+            shape = param.ds_shape
+            if len(pieces) == 1:
+                offset, numel = pieces[0]
+                whole.append(flat[offset : offset + numel].view(shape))
+            else:
+                whole.append(torch.cat([flat[offset : offset + numel] for offset, numel in pieces]).view(shape))
+        return whole
+
+
+def start_gather(params: list[torch.nn.Parameter], layout: GatherLayout, comm: Transport) -> GatherInFlight:
+    """Start gathering ``params`` (one dtype, the batch's order on every rank): this rank's blocks (its
+    ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner."""
+    flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)
+    if layout.mine:
+        sources = [params[index].ds_tensor.view(-1) for index, _ in layout.mine]
+        first = layout.mine[0][1]
+        span = flat[first : first + sum(s.numel() for s in sources)]
+        if len(sources) == 1:
+            span.copy_(sources[0])
+        else:
+            torch.cat([s.to(device=flat.device, dtype=flat.dtype) for s in sources], out=span)
+    return GatherInFlight(params, layout, flat, comm.start_broadcast_segments(flat, layout.spans))

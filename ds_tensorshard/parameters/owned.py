@@ -1,0 +1,146 @@
+"""The stage-3 parameter protocol with whole-tensor meaning: what DeepSpeed's coordinator, ``GatheredParameters`` and
+the frameworks call on a parameter, for parameters each owned whole (or in dim-0 blocks) by one rank.
+
+DeepSpeed's stage 3 reaches a parameter only through its ``ds_*`` attributes and a few bound methods
+(``all_gather``, ``all_gather_coalesced``, ``partition``, ``partition_numel``). :class:`OwnedParameters` keeps
+that protocol, so DeepSpeed's hooks, trace, prefetch and release run unchanged:
+
+- ``ds_tensor``: on the owner, the tensor itself (flat); on a rank that owns a dim-0 block of it, that block;
+  elsewhere an empty placeholder. ``ts_blocks``: who owns which elements (:class:`~ds_tensorshard.datapath.plan.Block`).
+- ``all_gather_coalesced(params)``: one collective per dtype from the owners (:mod:`.gather`); on the owner the
+  gathered parameter is its own ``ds_tensor`` again (nothing copied back at release).
+- ``partition()``: releases the gathered tensor on every rank (an empty ``.data``, as stock's); with
+  ``has_been_updated`` the owner first keeps the new values.
+- ``partition_numel()``: the whole tensor's element count on every rank. The coordinator gathers a module's
+  parameters only when this is positive: a count that differed by rank (an owner's against a peer's) would leave
+  one rank out of a collective the others enter.
+
+Every rank enters the same gathers in the same order whatever it owns: availability is the same on every rank
+(each gathered parameter is released everywhere), batches are in ``ds_id`` order, and persistence is decided by
+size alone (stock's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.parameters.gather import GatherLayout, start_gather
+from ds_tensorshard.transports.protocol import Transport
+
+
+class OwnedGather:
+    """What ``all_gather_coalesced`` returns: the batch's collectives in flight (one per dtype); :meth:`wait` makes
+    the parameters available (the coordinator calls it from its fetch)."""
+
+    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[torch.nn.Parameter], object]]) -> None:
+        self.owned, self.batches, self.complete = owned, batches, False
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self.complete:
+            return
+        for params, in_flight in self.batches:
+            for param, whole in zip(params, in_flight.wait()):  # type: ignore[attr-defined]
+                param.data = self.owned.own_view(param) if self.owned.owns_whole(param) else whole
+                param.ds_status = ZeroParamStatus.AVAILABLE
+        self.complete = True
+
+
+class OwnedParameters:
+    """The protocol for the parameters of one process group (``comm``'s), whose ``ds_tensor`` live on
+    ``home`` (the accelerator, or the host with ``offload_param``)."""
+
+    def __init__(self, comm: Transport, home: torch.device, assign: Callable[[torch.nn.Parameter], tuple[Block, ...]]):
+        self.comm, self.home, self.assign = comm, torch.device(home), assign
+        self.rank = comm.rank
+        self._layouts: dict[tuple[int, ...], GatherLayout] = {}
+
+    # -- conversion ----------------------------------------------------------------------------------
+    def adopt(self, param: torch.nn.Parameter) -> None:
+        """After DeepSpeed's conversion set the ``ds_*`` attributes: the owners, and the bound methods whose
+        meaning is whole-tensor."""
+        if getattr(param, "ts_blocks", None) is None:
+            param.ts_blocks = self.assign(param)
+        param.ts_owned = self
+        param.all_gather_coalesced = self._coalesced_of(param)
+        param.partition_numel = lambda: param.ds_numel
+
+    def _coalesced_of(self, param: torch.nn.Parameter):
+        def all_gather_coalesced(params: Iterable[torch.nn.Parameter], safe_mode: bool = False, quantize: bool = False):
+            return self.start(list(params))
+
+        return all_gather_coalesced
+
+    def owns_whole(self, param: torch.nn.Parameter) -> bool:
+        blocks = param.ts_blocks
+        return len(blocks) == 1 and blocks[0].rank == self.rank
+
+    def own_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The owner's tensor shaped as the parameter (where it is kept: the host with ``offload_param``)."""
+        return param.ds_tensor.view(param.ds_shape)
+
+    def my_block(self, param: torch.nn.Parameter) -> Block | None:
+        return next((b for b in param.ts_blocks if b.rank == self.rank), None)
+
+    # -- release (DeepSpeed's partition) -------------------------------------------------------------
+    @torch.no_grad()
+    def keep(self, param: torch.nn.Parameter, has_been_updated: bool, free_data: bool) -> None:
+        """DeepSpeed's ``partition`` of one parameter: the first time, the owner keeps its block as ``ds_tensor``
+        (the tensor itself where it owns it whole and it is where it is kept) and the others an empty placeholder;
+        with ``has_been_updated`` the owner copies the parameter's new values into it; then the gathered tensor is
+        released (``free_data``)."""
+        if param.ds_status is ZeroParamStatus.INFLIGHT:
+            raise RuntimeError(f"parameter {param.ds_id} of shape {tuple(param.ds_shape)} is released while in flight")
+        block = self.my_block(param)
+        if param.ds_tensor is None:
+            param.ds_tensor = self._first_tensor(param, block)
+            param.ds_tensor.ds_numel = param.ds_tensor.numel()
+            param.ds_tensor.status = None
+            param.ds_tensor.final_location = None
+            param.ds_numel_aligned = param.ds_numel
+        elif has_been_updated and block is not None and param.data.numel() == param.ds_numel:
+            source = param.data.view(-1)[block.start : block.stop]
+            if source.data_ptr() != param.ds_tensor.data_ptr():
+                param.ds_tensor.copy_(source)
+        if free_data or param.data.numel() != param.ds_numel:
+            free_param(param)
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+    def _first_tensor(self, param: torch.nn.Parameter, block: Block | None) -> torch.Tensor:
+        if block is None:
+            return torch.empty(0, dtype=param.dtype, device=self.home)
+        flat = param.data.reshape(-1)
+        if block.numel == param.ds_numel and flat.device == self.home and flat.is_contiguous():
+            return flat  # the tensor itself: nothing copied
+        kept = torch.empty(block.numel, dtype=param.dtype, device=self.home)
+        return kept.copy_(flat[block.start : block.stop])
+
+    # -- gather ---------------------------------------------------------------------------------------
+    def start(self, params: list[torch.nn.Parameter]) -> OwnedGather:
+        """``all_gather_coalesced``: the parameters not available are gathered, one collective per dtype, in
+        ``ds_id`` order (every rank's)."""
+        wanted = sorted((p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE), key=lambda p: p.ds_id)
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in wanted:
+            by_dtype.setdefault(param.dtype, []).append(param)
+            param.ds_status = ZeroParamStatus.INFLIGHT
+        batches = []
+        for dtype in sorted(by_dtype, key=str):
+            batch = by_dtype[dtype]
+            batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
+        return OwnedGather(self, batches)
+
+    def gather_now(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """``all_gather`` (``GatheredParameters``, ``param.all_gather()``): gather and wait."""
+        self.start(list(params)).wait()
+
+    def layout_of(self, batch: list[torch.nn.Parameter]) -> GatherLayout:
+        """The batch's layout, made once per batch (the coordinator fetches the same batches every step)."""
+        key = tuple(p.ds_id for p in batch)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = GatherLayout.of([p.ts_blocks for p in batch], self.rank)
+        return layout

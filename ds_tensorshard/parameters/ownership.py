@@ -1,0 +1,55 @@
+"""Who owns each parameter at stage 3: the plan of stages 1/2 for the trained tensors, then every other parameter
+(frozen, or not handed to the optimizer) placed on the emptiest ranks, so that what each rank keeps is balanced too.
+
+The trained tensors' plan is exactly stage 2's (:func:`~ds_tensorshard.datapath.placement.plan_for`): the optimizer
+state and the owners are the same at both stages, so a checkpoint moves between them unchanged. The others follow,
+largest first onto the rank holding the fewest elements so far (dim-0 blocks where one would not fit), by
+:func:`~ds_tensorshard.datapath.plan.plan_ownership` with the trained tensors' loads as its start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_tensorshard.datapath.placement import plan_for
+from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.datapath.shapes import shape_of
+
+
+@dataclass(frozen=True)
+class ParameterPlan:
+    """The trained tensors' plan (the optimizer's) and the plan of every parameter (what each rank keeps)."""
+
+    trained: OwnershipPlan
+    kept: OwnershipPlan
+
+
+def plan_parameters(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trained: list[torch.nn.Parameter],
+    world_size: int,
+    split: SplitMode,
+) -> ParameterPlan:
+    """The plan of ``module``'s parameters over ``world_size`` ranks; ``trained``: the optimizer's tensors (none
+    for an engine without an optimizer)."""
+    names = {param: name for name, param in module.named_parameters()}
+    in_optimizer = {param: names[param] for param in trained}
+    if optimizer is not None and in_optimizer:
+        first = plan_for(optimizer, in_optimizer, world_size, split, None)
+    else:
+        first = plan_ownership((), world_size)
+    rest = {param: name for param, name in names.items() if param not in in_optimizer}
+    second = plan_ownership(
+        ((name, shape_of(param)) for param, name in rest.items()), world_size, split=split, loads=first.numel_per_rank
+    )
+    kept = OwnershipPlan(
+        world_size=world_size,
+        blocks={**first.blocks, **second.blocks},
+        numels={**first.numels, **second.numels},
+        numel_per_rank=second.numel_per_rank,
+        param_names={id(param): name for param, name in names.items()},
+    )
+    return ParameterPlan(first, kept)

@@ -1,0 +1,149 @@
+"""ZeRO stage 3 with parameters owned whole: the engine's stage-3 optimizer (:func:`configure_stage3`).
+
+The parameters get the whole-tensor protocol (:mod:`~ds_tensorshard.parameters`) and DeepSpeed's own
+``DeepSpeedZeRoOffload`` hooks gather and release them around each module; :class:`TensorShardStage3Optimizer` is
+the data path of stage 2 over the owners' tensors: gradients averaged onto their owners during backward, the norm,
+and the owners' update of the tensors they keep (their ``ds_tensor``), in place. No broadcast follows a step: the
+next forward's gathers fetch the updated tensors. Persistent parameters (``stage3_param_persistence_threshold``),
+which every rank keeps gathered, are gathered again after the update, as stock does.
+
+An engine without an optimizer (a reference or inference model) has nothing to replace and is stock's
+``DeepSpeedZeRoOffload`` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.datapath.domains import DENSE, Domain
+from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
+from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.errors import CallRefusedAsStock
+from ds_tensorshard.optimizer import TensorShardOptimizer
+from ds_tensorshard.parameters.init_hooks import owning
+from ds_tensorshard.parameters.owned import OwnedParameters
+from ds_tensorshard.parameters.ownership import ParameterPlan, plan_parameters
+from ds_tensorshard.phase import Phase
+from ds_tensorshard.transports import open_transport
+from ds_tensorshard.transports.protocol import Transport
+
+
+def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShardConfig) -> Any:
+    """The engine's ZeRO-3 optimizer: its parameters owned whole (planned, then converted by DeepSpeed's
+    ``DeepSpeedZeRoOffload`` with the whole-tensor protocol) and a :class:`TensorShardStage3Optimizer`."""
+    trained = [p for group in trainable_groups(optimizer) for p in group]
+    comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
+    plan = plan_parameters(engine.module, optimizer, trained, comm.world_size, config.split_tensors)
+    for name, param in engine.module.named_parameters():
+        param.ts_blocks = plan.kept.blocks_of(name)  # type: ignore[attr-defined]
+    owned = OwnedParameters(comm, engine.device, _unplanned)
+    with owning(owned):
+        offload = DeepSpeedZeRoOffload(
+            engine.module,
+            timers=engine.timers if engine.wall_clock_breakdown() else None,
+            ds_config=engine.config,
+            overlap_comm=engine.zero_overlap_comm(),
+            prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
+            max_reuse_distance=engine.zero_max_reuse_distance(),
+            max_live_parameters=engine.zero_max_live_parameters(),
+            param_persistence_threshold=engine.zero_param_persistence_threshold(),
+            model_persistence_threshold=engine.zero_model_persistence_threshold(),
+            offload_param_config=engine.zero_offload_param(),
+            mpu=engine.mpu,
+            zero_module_granularity_threshold=engine.zero_module_granularity_threshold(),
+            log_trace_cache_warnings=engine.zero_log_trace_cache_warnings(),
+        )
+    return TensorShardStage3Optimizer(optimizer, engine, config, plan, offload, comm)
+
+
+def _unplanned(param: torch.nn.Parameter) -> tuple[Block, ...]:
+    raise RuntimeError(
+        f"a parameter of shape {tuple(param.shape)} was converted for ZeRO-3 without an owner: it is not a "
+        "parameter of the model given to deepspeed.initialize"
+    )
+
+
+def ds_tensor_of(param: torch.nn.Parameter, block: Block) -> torch.Tensor:
+    """Where the owner keeps its block at stage 3: the parameter's ``ds_tensor``."""
+    return param.ds_tensor  # type: ignore[attr-defined]
+
+
+class TensorShardStage3Optimizer(TensorShardOptimizer):
+    """Tensor-granular ZeRO-3: the data path of :class:`~ds_tensorshard.TensorShardOptimizer` over parameters
+    whose owners alone keep them (``parameter_offload`` gathers and releases them around each module)."""
+
+    storage = staticmethod(ds_tensor_of)
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        engine: DeepSpeedEngine,
+        config: TensorShardConfig,
+        plan: ParameterPlan,
+        parameter_offload: DeepSpeedZeRoOffload,
+        comm: Transport,
+    ) -> None:
+        self.parameter_offload, self.parameter_plan, self._comm = parameter_offload, plan, comm
+        self.persistent_parameters = parameter_offload.persistent_parameters
+        super().__init__(init_optimizer, engine, config)
+        self.fp16_groups = self.bit16_groups
+
+    def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: Any) -> None:
+        """One domain, the data-parallel group's, planned by :func:`plan_parameters` (the parameters' owners)."""
+        self.bit16_groups = trainable_groups(self.optimizer)
+        self.round_robin_bit16_groups = self.bit16_groups
+        self.params = in_model_order(self.bit16_groups, engine.module)
+        self.names = {p: engine.param_names[p] for p in self.params}
+        self.checkpoint_names = dict(self.names)
+        self.all_checkpoint_names = {p: [name] for p, name in self.names.items()}
+        self.group_domains = [DENSE] * len(self.bit16_groups)
+        self.domains = {DENSE: Domain(DENSE, self._comm, self.params, self.parameter_plan.trained)}
+        self.domain_of = {p: self.domains[DENSE] for p in self.params}
+        self.comm, self.plan = self._comm, self.parameter_plan.trained
+
+    def _update_and_send(self) -> None:
+        """The owners update the tensors they keep, in place; the persistent parameters are gathered again."""
+        self.shard.step()
+        self.shard.drop_grads()
+        self.phase = Phase.ACCUMULATING
+        if self.persistent_parameters:
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+
+    def step(self, closure: Any = None) -> None:
+        """Every parameter released (as stock's step begins), then the step of stage 2 without its broadcast."""
+        self._partition_all_parameters()
+        super().step(closure)
+
+    # -- what DeepSpeed's stage-3 engine calls --------------------------------------------------------
+    def _get_param_coordinator(self):
+        return self.parameter_offload.get_param_coordinator()
+
+    def _partition_all_parameters(self) -> None:
+        self.parameter_offload.partition_all_parameters()
+
+    def backward_epilogue(self, **kwargs: Any) -> None:
+        """Release what a submodule whose post-backward hook never ran left gathered (as stock's stage 3)."""
+        self.parameter_offload.release_backward_leftovers()
+
+    def empty_partition_cache(self) -> None:
+        self.parameter_offload.empty_partition_cache()
+
+    def checkpoint_event_prologue(self) -> None:
+        self._partition_all_parameters()
+
+    def checkpoint_event_epilogue(self) -> None:
+        if self.persistent_parameters:
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        raise CallRefusedAsStock(
+            "engine.offload_states() at ZeRO stage 3 with ds_tensorshard is not supported yet: its parameters are "
+            "kept by their owners; disable 'tensorshard.enabled' to use it"
+        )
+
+    reload_states = offload_states
