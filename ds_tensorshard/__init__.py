@@ -11,7 +11,7 @@ from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
 check_deepspeed_version(_deepspeed.__version__)
 check_torch_version(_torch.__version__)
 
-from ds_tensorshard.config import TensorShardConfig  # noqa: E402
+from ds_tensorshard.config.schema import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
 from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
 from ds_tensorshard.errors import (  # noqa: E402

@@ -4,7 +4,7 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``__init__``: validate the config first, before any model move or optimizer state, and wait for every rank
   (``transports.shutdown.all_arrived``, within ``tensorshard.timeout_s``); after it, warn (rank 0) where torchrun
   may restart the workers with the previous round's store because the process group was made before the plugin
-  was imported (``config.elastic_store_warning``; otherwise ``transports.elastic_store`` gives each round its own);
+  was imported (``config.elastic``; otherwise ``transports.elastic_store`` gives each round its own);
 - ``_do_optimizer_sanity_check``: keep the ZeRO route for every dtype (stock sends bf16 + fp32
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
@@ -33,12 +33,10 @@ from deepspeed.utils import log_dist
 from ds_tensorshard.checkpoints import fp32_reader
 from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
 from ds_tensorshard.coalesce import stock_refusal
-from ds_tensorshard.config import (
-    TensorShardConfig,
-    elastic_store_warning,
-    validate_engine_config,
-    validate_parallel_layout,
-)
+from ds_tensorshard.config.elastic import elastic_store_warning
+from ds_tensorshard.config.engine_checks import validate_engine_config
+from ds_tensorshard.config.parallel_layout import validate_parallel_layout
+from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.inner_optimizer import check_supported
 from ds_tensorshard.errors import CallRefusedAsStock, PeerLost, TensorShardConfigError
 from ds_tensorshard.full_tensors import attach

@@ -26,7 +26,7 @@ import deepspeed
 import torch
 from deepspeed import comm as dist
 
-from ds_tensorshard.config import parse_block
+from ds_tensorshard.config.schema import parse_block
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.optimizer import TensorShardOptimizer

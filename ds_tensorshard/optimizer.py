@@ -24,7 +24,8 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.optimizer_state import CheckpointMethods
 from ds_tensorshard.coalesce import CoalesceMethods
-from ds_tensorshard.config import TensorShardConfig, describe_zero_mapping
+from ds_tensorshard.config.schema import TensorShardConfig
+from ds_tensorshard.config.zero_mapping import describe_zero_mapping
 from ds_tensorshard.datapath.backward_check import BackwardCheck
 from ds_tensorshard.datapath.broadcast import Broadcast, broadcast_domains, start_broadcast, update_while_broadcasting
 from ds_tensorshard.datapath.buckets import Bucket

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ds_tensorshard.config import BLOCK, validate_engine_config, zero_key_treatment
+from ds_tensorshard.config.engine_checks import validate_engine_config
+from ds_tensorshard.config.schema import BLOCK
+from ds_tensorshard.config.zero_mapping import zero_key_treatment
 from ds_tensorshard.errors import TensorShardConfigError
 
 DROPPED_ZERO_KEYS = {

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ds_tensorshard.commands.models import Experts, expert_index
-from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.buckets import Bucket, build_buckets
 from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,

@@ -275,12 +275,12 @@ def load_config(path: str) -> dict[str, Any]:
 
 def check_config(config: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
     """Would ``deepspeed.initialize`` accept ``config``? First DeepSpeed's own parse (DeepSpeedConfig), then
-    ds_tensorshard's checks (:func:`.config.validate_engine_config`), each reported with its message.
+    ds_tensorshard's checks (:func:`.config.engine_checks.validate_engine_config`), each reported with its message.
     ``"auto"`` values are the framework's (HF Trainer, Accelerate) to fill; they are listed and left out.
     DeepSpeed checks train_batch_size = micro batch x accumulation x world size; out of a launch it sees one
     rank, so that check is made here at ``world_size`` (not at all without one: a note says so) and DeepSpeed
     is given the per-rank batch sizes."""
-    from ds_tensorshard.config import validate_engine_config
+    from ds_tensorshard.config.engine_checks import validate_engine_config
     from ds_tensorshard.errors import TensorShardConfigError
 
     result: dict[str, Any] = {
@@ -364,7 +364,7 @@ def gather(
             cfg["warning"] = "comm_backend 'mpi' cannot run here: " + report["transports"]["mpi"]
     if world_sizes and shapes is not None:
         from ds_tensorshard.commands.plan_report import plan_report
-        from ds_tensorshard.config import TensorShardConfig
+        from ds_tensorshard.config.schema import TensorShardConfig
         from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, requested_bucket_numel
 
         if config is not None and report["config"]["accepted"] and report["config"].get("enabled"):

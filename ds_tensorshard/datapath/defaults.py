@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,
     STOCK_REDUCE_BUCKET,

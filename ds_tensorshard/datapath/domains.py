@@ -28,7 +28,7 @@ from ds_tensorshard.transports import open_transport
 from ds_tensorshard.transports.protocol import Transport
 
 if TYPE_CHECKING:
-    from ds_tensorshard.config import TensorShardConfig
+    from ds_tensorshard.config.schema import TensorShardConfig
 
 DENSE = "data_parallel"  # the dense domain's name; an expert domain is named after its expert group
 

@@ -16,7 +16,7 @@ from ds_tensorshard.errors import TensorShardConfigError
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from ds_tensorshard.config import TensorShardConfig
+    from ds_tensorshard.config.schema import TensorShardConfig
 
 
 def flat_refusal(

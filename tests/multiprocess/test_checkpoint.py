@@ -315,7 +315,7 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     assert "zero_optimization.offload_optimizer={'device': 'cpu'}: kept, used, device cpu" in out
     for key in list(stock["zero_optimization"]) + [k for k in stock if k != "zero_optimization"]:
         assert key in out, key
-    from ds_tensorshard.config import validate_engine_config
+    from ds_tensorshard.config.engine_checks import validate_engine_config
 
     assert validate_engine_config(migrated).enabled
 

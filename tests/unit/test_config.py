@@ -210,10 +210,10 @@ def test_fp16_is_refused_where_stock_gives_nothing_to_match(version, stage, refu
         with pytest.raises(
             TensorShardConfigError, match=rf"'fp16.enabled' with ZeRO stage {stage} .* {release}: "
         ) as err:
-            ds_tensorshard.config.validate_engine_config(config)
+            ds_tensorshard.config.engine_checks.validate_engine_config(config)
         assert ("(or stage 1)" in str(err.value)) == (stage == 2 and fp16_refusal(1, version) is None)
     else:
-        assert ds_tensorshard.config.validate_engine_config(config).enabled
+        assert ds_tensorshard.config.engine_checks.validate_engine_config(config).enabled
 
 
 @pytest.mark.parametrize("version", ["2.4.1", "2.12.1+cu126", "2.16.0", "2.16.0.dev20261201"])
@@ -417,7 +417,7 @@ def test_cpu_optimizer_without_offload_is_refused():
 
 
 def test_elastic_store_warning_only_where_torchrun_restarts_with_the_shared_store():
-    from ds_tensorshard.config import elastic_store_warning
+    from ds_tensorshard.config.elastic import elastic_store_warning
 
     shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic_store_warning(shared)

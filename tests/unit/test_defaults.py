@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ds_tensorshard.commands.models import preset_shapes
-from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,
     STOCK_REDUCE_BUCKET,

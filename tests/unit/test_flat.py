@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, FLAT_WHY, Wire, choose_layout
 from ds_tensorshard.datapath.flat_choice import flat_refusal, lays_flat
 from ds_tensorshard.datapath.flat_parameters import FlatParameters

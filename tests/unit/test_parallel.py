@@ -56,7 +56,7 @@ def test_pipeline_module_with_stage_2_or_fp32_accumulation_is_refused(config, me
 @pytest.mark.usefixtures("single_rank_world")
 def test_device_mesh_sequence_parallelism_is_refused():
     # deepspeed.initialize itself cannot build a 2-way sequence mesh on one rank: the check is called directly
-    from ds_tensorshard.config import validate_parallel_layout
+    from ds_tensorshard.config.parallel_layout import validate_parallel_layout
     from ds_tensorshard.errors import TensorShardConfigError
 
     config = {

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ds_tensorshard.config.schema import BLOCK
 from ds_tensorshard.errors import TensorShardConfigError
-
-BLOCK = "tensorshard"
 
 # key -> (whether the config sets it to something refused, why)
 REFUSED_STAGE3_KEYS: dict[str, tuple[Any, str]] = {
