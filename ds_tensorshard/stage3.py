@@ -19,11 +19,12 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
+from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.datapath.domains import DENSE, Domain
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import Block
-from ds_tensorshard.errors import CallRefusedAsStock
+from ds_tensorshard.errors import CallRefusedAsStock, TensorShardUsageError
 from ds_tensorshard.optimizer import TensorShardOptimizer
 from ds_tensorshard.parameters.init_hooks import owning
 from ds_tensorshard.parameters.owned import OwnedParameters
@@ -40,7 +41,7 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
     comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
     plan = plan_parameters(engine.module, optimizer, trained, comm.world_size, config.split_tensors)
     for name, param in engine.module.named_parameters():
-        param.ts_blocks = plan.kept.blocks_of(name)  # type: ignore[attr-defined]
+        param.ts_blocks = plan.kept.blocks_of(name)
     owned = OwnedParameters(comm, engine.device, _unplanned)
     with owning(owned):
         offload = DeepSpeedZeRoOffload(
@@ -62,7 +63,7 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
 
 
 def _unplanned(param: torch.nn.Parameter) -> tuple[Block, ...]:
-    raise RuntimeError(
+    raise TensorShardUsageError(
         f"a parameter of shape {tuple(param.shape)} was converted for ZeRO-3 without an owner: it is not a "
         "parameter of the model given to deepspeed.initialize"
     )
@@ -99,8 +100,8 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self.round_robin_bit16_groups = self.bit16_groups
         self.params = in_model_order(self.bit16_groups, engine.module)
         self.names = {p: engine.param_names[p] for p in self.params}
-        self.checkpoint_names = dict(self.names)
-        self.all_checkpoint_names = {p: [name] for p, name in self.names.items()}
+        self.checkpoint_names = global_names(engine.module, self.names)
+        self.all_checkpoint_names = every_expert_name(engine.module, self.names.values())
         self.group_domains = [DENSE] * len(self.bit16_groups)
         self.domains = {DENSE: Domain(DENSE, self._comm, self.params, self.parameter_plan.trained)}
         self.domain_of = {p: self.domains[DENSE] for p in self.params}

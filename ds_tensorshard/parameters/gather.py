@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Pending, Span, Transport
 
 
@@ -58,9 +59,7 @@ class GatherLayout:
 class GatherInFlight:
     """A batch's collective in flight; :meth:`wait` completes it and gives each parameter its whole tensor."""
 
-    def __init__(
-        self, params: list[torch.nn.Parameter], layout: GatherLayout, flat: torch.Tensor, pending: Pending
-    ) -> None:
+    def __init__(self, params: list[ZeroParam], layout: GatherLayout, flat: torch.Tensor, pending: Pending) -> None:
         self.params, self.layout, self.flat, self.pending = params, layout, flat, pending
 
     def wait(self) -> list[torch.Tensor]:
@@ -78,7 +77,7 @@ class GatherInFlight:
         return whole
 
 
-def start_gather(params: list[torch.nn.Parameter], layout: GatherLayout, comm: Transport) -> GatherInFlight:
+def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:
     """Start gathering ``params`` (one dtype, the batch's order on every rank): this rank's blocks (its
     ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner."""
     flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)

@@ -28,7 +28,8 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_tensorshard.datapath.plan import Block
-from ds_tensorshard.parameters.gather import GatherLayout, start_gather
+from ds_tensorshard.parameters.gather import GatherInFlight, GatherLayout, start_gather
+from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Transport
 
 
@@ -36,14 +37,14 @@ class OwnedGather:
     """What ``all_gather_coalesced`` returns: the batch's collectives in flight (one per dtype); :meth:`wait` makes
     the parameters available (the coordinator calls it from its fetch)."""
 
-    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[torch.nn.Parameter], object]]) -> None:
+    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[ZeroParam], GatherInFlight]]) -> None:
         self.owned, self.batches, self.complete = owned, batches, False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
         for params, in_flight in self.batches:
-            for param, whole in zip(params, in_flight.wait()):  # type: ignore[attr-defined]
+            for param, whole in zip(params, in_flight.wait()):
                 param.data = self.owned.own_view(param) if self.owned.owns_whole(param) else whole
                 param.ds_status = ZeroParamStatus.AVAILABLE
         self.complete = True
@@ -53,13 +54,13 @@ class OwnedParameters:
     """The protocol for the parameters of one process group (``comm``'s), whose ``ds_tensor`` live on
     ``home`` (the accelerator, or the host with ``offload_param``)."""
 
-    def __init__(self, comm: Transport, home: torch.device, assign: Callable[[torch.nn.Parameter], tuple[Block, ...]]):
+    def __init__(self, comm: Transport, home: torch.device, assign: Callable[[ZeroParam], tuple[Block, ...]]):
         self.comm, self.home, self.assign = comm, torch.device(home), assign
         self.rank = comm.rank
         self._layouts: dict[tuple[int, ...], GatherLayout] = {}
 
     # -- conversion ----------------------------------------------------------------------------------
-    def adopt(self, param: torch.nn.Parameter) -> None:
+    def adopt(self, param: ZeroParam) -> None:
         """After DeepSpeed's conversion set the ``ds_*`` attributes: the owners, and the bound methods whose
         meaning is whole-tensor."""
         if getattr(param, "ts_blocks", None) is None:
@@ -68,32 +69,31 @@ class OwnedParameters:
         param.all_gather_coalesced = self._coalesced_of(param)
         param.partition_numel = lambda: param.ds_numel
 
-    def _coalesced_of(self, param: torch.nn.Parameter):
-        def all_gather_coalesced(params: Iterable[torch.nn.Parameter], safe_mode: bool = False, quantize: bool = False):
+    def _coalesced_of(self, param: ZeroParam):
+        def all_gather_coalesced(params: Iterable[ZeroParam], safe_mode: bool = False, quantize: bool = False):
             return self.start(list(params))
 
         return all_gather_coalesced
 
-    def owns_whole(self, param: torch.nn.Parameter) -> bool:
+    def owns_whole(self, param: ZeroParam) -> bool:
         blocks = param.ts_blocks
         return len(blocks) == 1 and blocks[0].rank == self.rank
 
-    def own_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+    def own_view(self, param: ZeroParam) -> torch.Tensor:
         """The owner's tensor shaped as the parameter (where it is kept: the host with ``offload_param``)."""
         return param.ds_tensor.view(param.ds_shape)
 
-    def my_block(self, param: torch.nn.Parameter) -> Block | None:
+    def my_block(self, param: ZeroParam) -> Block | None:
         return next((b for b in param.ts_blocks if b.rank == self.rank), None)
 
     # -- release (DeepSpeed's partition) -------------------------------------------------------------
     @torch.no_grad()
-    def keep(self, param: torch.nn.Parameter, has_been_updated: bool, free_data: bool) -> None:
+    def keep(self, param: ZeroParam, has_been_updated: bool, free_data: bool) -> None:
         """DeepSpeed's ``partition`` of one parameter: the first time, the owner keeps its block as ``ds_tensor``
         (the tensor itself where it owns it whole and it is where it is kept) and the others an empty placeholder;
         with ``has_been_updated`` the owner copies the parameter's new values into it; then the gathered tensor is
         released (``free_data``)."""
-        if param.ds_status is ZeroParamStatus.INFLIGHT:
-            raise RuntimeError(f"parameter {param.ds_id} of shape {tuple(param.ds_shape)} is released while in flight")
+        assert param.ds_status is not ZeroParamStatus.INFLIGHT, f"parameter {param.ds_id} released in flight"
         block = self.my_block(param)
         if param.ds_tensor is None:
             param.ds_tensor = self._first_tensor(param, block)
@@ -109,7 +109,7 @@ class OwnedParameters:
             free_param(param)
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
-    def _first_tensor(self, param: torch.nn.Parameter, block: Block | None) -> torch.Tensor:
+    def _first_tensor(self, param: ZeroParam, block: Block | None) -> torch.Tensor:
         if block is None:
             return torch.empty(0, dtype=param.dtype, device=self.home)
         flat = param.data.reshape(-1)
@@ -119,11 +119,11 @@ class OwnedParameters:
         return kept.copy_(flat[block.start : block.stop])
 
     # -- gather ---------------------------------------------------------------------------------------
-    def start(self, params: list[torch.nn.Parameter]) -> OwnedGather:
+    def start(self, params: list[ZeroParam]) -> OwnedGather:
         """``all_gather_coalesced``: the parameters not available are gathered, one collective per dtype, in
         ``ds_id`` order (every rank's)."""
         wanted = sorted((p for p in params if p.ds_status is ZeroParamStatus.NOT_AVAILABLE), key=lambda p: p.ds_id)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        by_dtype: dict[torch.dtype, list[ZeroParam]] = {}
         for param in wanted:
             by_dtype.setdefault(param.dtype, []).append(param)
             param.ds_status = ZeroParamStatus.INFLIGHT
@@ -133,11 +133,11 @@ class OwnedParameters:
             batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
         return OwnedGather(self, batches)
 
-    def gather_now(self, params: Iterable[torch.nn.Parameter]) -> None:
+    def gather_now(self, params: Iterable[ZeroParam]) -> None:
         """``all_gather`` (``GatheredParameters``, ``param.all_gather()``): gather and wait."""
         self.start(list(params)).wait()
 
-    def layout_of(self, batch: list[torch.nn.Parameter]) -> GatherLayout:
+    def layout_of(self, batch: list[ZeroParam]) -> GatherLayout:
         """The batch's layout, made once per batch (the coordinator fetches the same batches every step)."""
         key = tuple(p.ds_id for p in batch)
         layout = self._layouts.get(key)

@@ -54,7 +54,29 @@ def initialize(config, optimizer=None):
 
 
 BAD = [
-    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage'"),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        "'zero_optimization.offload_param' (device 'cpu') is not supported at ZeRO stage 3",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+        "'zero_optimization.offload_optimizer' (device 'cpu') is not supported at ZeRO stage 3",
+    ),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "'zero_optimization.zero_hpz_partition_size'"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "'zero_optimization.zero_quantized_weights'"),
+    (
+        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+        "'zero_optimization.zero_quantized_gradients'",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}},
+        "'zero_optimization.stage3_module_granularity_threshold'",
+    ),
+    (
+        {"zero_optimization": {"stage": 3}, "tensorshard": {"enabled": True, "bucket_layout": "flat"}},
+        "'tensorshard.bucket_layout' 'flat' at ZeRO stage 3",
+    ),
+    ({"zero_optimization": {"stage": 3}, "gradient_predivide_factor": 2.0}, "'gradient_predivide_factor' != 1.0"),
     (
         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
         "'zero_optimization.offload_optimizer' device 'nvme' is not supported with 'tensorshard.enabled': stock "
