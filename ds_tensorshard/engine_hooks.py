@@ -9,7 +9,8 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
   accumulation at stage 1 to BF16_Optimizer instead);
 - ``_configure_zero_optimizer``: build a TensorShardOptimizer instead of DeepSpeedZeroOptimizer;
 - ``compile``: refuse ``compiled_autograd_enabled``, an argument initialize cannot see;
-- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``: see :mod:`.checkpoints.hooks`;
+- ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``, ``load_module_state_dict``,
+  ``_get_ckpt_name``: see :mod:`.checkpoints.hooks`;
 - ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): stock's, but refused where stock's would meet
   BF16_Optimizer; ``_flush_coalesced_reduction_zero12``, its flush: ds_tensorshard's (:mod:`.coalesce`).
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
@@ -31,7 +32,13 @@ from deepspeed.runtime.zero.config import ZERO_OPTIMIZATION
 from deepspeed.utils import log_dist
 
 from ds_tensorshard.checkpoints import fp32_reader
-from ds_tensorshard.checkpoints.hooks import wrap_load_checkpoint, wrap_load_zero_checkpoint, wrap_save_checkpoint
+from ds_tensorshard.checkpoints.hooks import (
+    wrap_get_ckpt_name,
+    wrap_load_checkpoint,
+    wrap_load_module_state_dict,
+    wrap_load_zero_checkpoint,
+    wrap_save_checkpoint,
+)
 from ds_tensorshard.coalesce import stock_refusal
 from ds_tensorshard.config.elastic import elastic_store_warning
 from ds_tensorshard.config.engine_checks import validate_engine_config
@@ -175,6 +182,8 @@ _WRAPPERS = {
     "save_checkpoint": wrap_save_checkpoint,
     "load_checkpoint": wrap_load_checkpoint,
     "_load_zero_checkpoint": wrap_load_zero_checkpoint,
+    "load_module_state_dict": wrap_load_module_state_dict,
+    "_get_ckpt_name": wrap_get_ckpt_name,
     "coalesce_grad_reduction": _wrap_coalesce,
     "_flush_coalesced_reduction_zero12": _wrap_flush,
 }

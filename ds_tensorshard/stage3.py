@@ -20,6 +20,9 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
+from ds_tensorshard.checkpoints.optimizer_state import rank_file
+from ds_tensorshard.checkpoints.owned import kept_parameters
+from ds_tensorshard.checkpoints.sources import CheckpointSource
 from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.datapath.domains import DENSE, Domain
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
@@ -91,6 +94,8 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
     ) -> None:
         self.parameter_offload, self.parameter_plan, self._comm = parameter_offload, plan, comm
         self.persistent_parameters = parameter_offload.persistent_parameters
+        self.parameter_names = dict(engine.param_names)  # every parameter (trained or not), by name
+        self.save_frozen = True  # the engine's save_checkpoint sets it (False: exclude_frozen_parameters)
         super().__init__(init_optimizer, engine, config)
         self.fp16_groups = self.bit16_groups
 
@@ -119,6 +124,18 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         """Every parameter released (as stock's step begins), then the step of stage 2 without its broadcast."""
         self._partition_all_parameters()
         super().step(closure)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's file: its trained tensors' masters and state, as at stages 1/2, and the untrained parameters
+        it keeps (``parameters``), whole or as their dim-0 blocks."""
+        return rank_file(self, kept_parameters(self.parameter_names, self.params, self.save_frozen))
+
+    def load_from_source(self, source: CheckpointSource, load_optimizer_states: bool = True) -> None:
+        """The masters (and state) as at stages 1/2, then the masters into the tensors the owners keep (a
+        universal checkpoint loads no module values; a 16-bit model's values are its masters, cast)."""
+        super().load_from_source(source, load_optimizer_states)
+        self.shard.masters_to_model()
 
     # -- what DeepSpeed's stage-3 engine calls --------------------------------------------------------
     def _get_param_coordinator(self):

@@ -15,6 +15,7 @@ import torch
 
 from ds_tensorshard.checkpoints.files import read_latest, save_atomic, write_text_atomic
 from ds_tensorshard.checkpoints.rank_file import RankFile, rank_file_name, restore_loss_scaler
+from ds_tensorshard.checkpoints.saved_module import SavedModule, placeholder_names
 from ds_tensorshard.checkpoints.sources import (
     CHECKPOINT_ID_KEY,
     MODEL_STATES,
@@ -53,9 +54,10 @@ def fp32_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
     tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
-    buffers from the saved module; tied aliases share their owner's tensor. With MoE layers every expert's
-    tensors follow, keyed by global expert index (the saved module holds no expert tensors).
-    ``progress(done, total)`` is called after each module entry."""
+    buffers from the saved module (a stage-3 save's frozen tensors from the rank files that keep them); tied
+    aliases share their owner's tensor. With MoE layers every expert's tensors follow, keyed by global expert
+    index (the saved module holds no expert tensors). ``progress(done, total)`` is called after each module entry."""
+    saved = SavedModule(source)
     module = source.model_states["module"]
     buffers = set(source.model_states.get("buffer_names") or ())
     out: dict[str, torch.Tensor] = {}
@@ -65,7 +67,9 @@ def fp32_state_dict(
         if name in source.shapes:
             out[name] = source.tensor(name).master.clone()
         elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
-            out[name] = value.float().clone() if value.is_floating_point() else value.clone()
+            value = saved.value(name) if name in saved.placeholders else value
+            if value is not None:
+                out[name] = value.float().clone() if value.is_floating_point() else value.clone()
     for name in source.shapes:
         if name not in out:  # an expert's tensor
             out[name] = source.tensor(name).master.clone()
@@ -89,6 +93,8 @@ def refuse_moe(source: CheckpointSource, conversion: str) -> None:
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
     """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given) or stock ZeRO's (None)."""
     states = without_universal_refusal({k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY})
+    if placeholder_names(states):  # a stage-3 save: the module whole, as stages 1/2 and stock ZeRO keep it
+        states["module"] = SavedModule(source).completed()
     states["dp_world_size"] = world_size
     states["param_shapes"] = [
         OrderedDict((n, torch.Size(source.shapes[n])) for n in names) for names in source.group_names
@@ -100,10 +106,11 @@ def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: 
 
 
 def _zero_stage(source: CheckpointSource) -> int | None:
-    """The ZeRO stage the checkpoint's run used, from its config (None where it does not say)."""
+    """The ZeRO stage the checkpoint's run used, from its config (2 for stage 3, see RankFile.zero_stage; None
+    where it does not say)."""
     config = source.model_states.get("ds_config")
     stage = ((config.get("zero_optimization") or {}) if isinstance(config, Mapping) else {}).get("stage")
-    return int(stage) if stage in (1, 2) else None
+    return min(int(stage), 2) if stage in (1, 2, 3) else None
 
 
 def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:

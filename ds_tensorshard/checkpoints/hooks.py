@@ -17,15 +17,19 @@ tensors, whatever world size saved them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import shutil
 import uuid
 import weakref
+from dataclasses import dataclass
 
+import deepspeed.runtime.engine as deepspeed_engine
 import torch.distributed
 from deepspeed import comm as dist
+from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ds_tensorshard.checkpoints.files import (
@@ -35,11 +39,12 @@ from ds_tensorshard.checkpoints.files import (
     load_for_deepspeed,
     read_latest,
     save_atomic,
-    verify,
     write_text_atomic,
 )
+from ds_tensorshard.checkpoints.owned import load_owned
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
-from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, model_states_name, open_checkpoint
+from ds_tensorshard.checkpoints.saved_module import SavedModule, expected_module, placeholder_names
+from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, CheckpointSource, open_checkpoint, read_model_states
 from ds_tensorshard.checkpoints.stock_tools import (
     refuse_universal_conversion,
     without_universal_refusal,
@@ -50,6 +55,8 @@ from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 _MODEL_STATES = re.compile(r"mp_rank_\d+_model_states\.pt")
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
 _OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# its module values, where ds_tensorshard loads the module (stage 3, or a stage-3 save at stages 1/2)
+_SAVED_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _enabled(engine) -> bool:
@@ -88,6 +95,10 @@ def wrap_save_checkpoint(original):
             )
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         self.optimizer.checkpoint_id = _shared_checkpoint_id()
+        stage3 = self.zero_optimization_partition_weights()
+        if stage3:  # one module file, rank 0's (named by _get_ckpt_name), as at stages 1/2
+            self.save_non_zero_checkpoint = self.optimizer.comm.rank == 0
+            self.optimizer.save_frozen = not exclude_frozen_parameters
         final = os.path.join(save_dir, tag)
         staging = os.path.join(save_dir, f".{tag}.saving-{self.optimizer.checkpoint_id[:12]}")
         failures: list[str] = []
@@ -98,6 +109,8 @@ def wrap_save_checkpoint(original):
             a failed write is recorded, not raised, so that no rank is left in DeepSpeed's barriers."""
             target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
             if _MODEL_STATES.fullmatch(os.path.basename(path)):
+                if stage3:  # rank 0's fragments of the untrained parameters: their owners' rank files hold them
+                    state_dict = {**state_dict, FROZEN_PARAM_FRAGMENTS: None}
                 state_dict = refuse_universal_conversion(state_dict)  # ds_to_universal: say why not
             try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -231,6 +244,59 @@ def _resolve_tag(load_dir: str, tag, universal: bool):
     return str(tag) if tag is not None else read_latest(load_dir, universal)  # None: DeepSpeed reports it
 
 
+@dataclass(frozen=True)
+class _Load:
+    """What ``load_checkpoint`` was asked for, as far as opening the checkpoint goes."""
+
+    strict: bool
+    optimizer_states: bool
+    module_only: bool
+    custom_load_fn: object
+
+
+def _open_for_load(
+    engine, folder: str, universal: bool, load: _Load
+) -> tuple[CheckpointSource | None, SavedModule | None]:
+    """The checkpoint opened and checked against the model before DeepSpeed touches any state: its rank files
+    where the optimizer state is loaded or the module's values are in them (a stage-3 save), and, where
+    ds_tensorshard loads the module (stage 3, or a stage-3 save), its values by name, checked too."""
+    stage3 = engine.zero_optimization_partition_weights()
+    if stage3 and load.custom_load_fn is not None:
+        raise CheckpointError(
+            "load_checkpoint(custom_load_fn=...) at ZeRO stage 3 with ds_tensorshard is not supported: the "
+            "parameters are kept by their owners, not in the module; load without it"
+        )
+    states = read_model_states(folder, _mp_rank(engine))
+    placeholders = not universal and bool(placeholder_names(states))
+    optimizer_states = load.optimizer_states and not load.module_only
+    if not (optimizer_states or universal or stage3 or placeholders):
+        return None, None  # stock reads no optimizer file then: the masters are refreshed from the loaded module
+    source = open_checkpoint(folder, universal=universal, mp_rank=_mp_rank(engine), model_states=states)
+    if optimizer_states or universal:
+        engine.optimizer.check_checkpoint(source)
+    if universal or not (stage3 or placeholders):
+        return source, None  # DeepSpeed loads the module (a universal checkpoint: none)
+    saved = SavedModule(source)
+    saved.check(expected_module(engine.module), load.strict)
+    return source, saved
+
+
+@contextlib.contextmanager
+def _module_file_for_stage3(saved: SavedModule | None):
+    """Stock's stage-3 load without optimizer states replaces the module file's state dict with zero_to_fp32 of
+    the ``latest`` tag (whichever tag was asked for); ds_tensorshard's stage-3 module load reads the opened
+    tag's values by name instead, so that call is given the opened module file (nothing read twice)."""
+    if saved is None:
+        yield
+        return
+    original = deepspeed_engine.get_fp32_state_dict_from_zero_checkpoint
+    deepspeed_engine.get_fp32_state_dict_from_zero_checkpoint = lambda *args, **kwargs: dict(saved.entries)
+    try:
+        yield
+    finally:
+        deepspeed_engine.get_fp32_state_dict_from_zero_checkpoint = original
+
+
 def wrap_load_checkpoint(original):
     @functools.wraps(original)
     def load_checkpoint(
@@ -265,28 +331,23 @@ def wrap_load_checkpoint(original):
         resolved = _resolve_tag(load_dir, tag, universal)
         if resolved is None:
             return call()
-        if load_module_only or not (load_optimizer_states or universal):
-            # stock reads no optimizer file then: the masters are refreshed from the loaded module
-            verify(os.path.join(load_dir, resolved, model_states_name(_mp_rank(self))))
-            source = None
-        else:
-            source = open_checkpoint(os.path.join(load_dir, resolved), universal=universal, mp_rank=_mp_rank(self))
-            self.optimizer.check_checkpoint(source)
-        _OPENED[self] = source
+        load = _Load(load_module_strict, load_optimizer_states, load_module_only, custom_load_fn)
+        _OPENED[self], _SAVED_MODULE[self] = _open_for_load(self, os.path.join(load_dir, resolved), universal, load)
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
-            load_path, client_state = original(
-                self,
-                load_dir,
-                resolved,
-                load_module_strict,
-                load_optimizer_states,
-                load_lr_scheduler_states,
-                load_module_only,
-                custom_load_fn,
-            )
+            with _module_file_for_stage3(_SAVED_MODULE[self] if self.zero_optimization_partition_weights() else None):
+                load_path, client_state = original(
+                    self,
+                    load_dir,
+                    resolved,
+                    load_module_strict,
+                    load_optimizer_states,
+                    load_lr_scheduler_states,
+                    load_module_only,
+                    custom_load_fn,
+                )
         finally:
-            del _OPENED[self]
+            del _OPENED[self], _SAVED_MODULE[self]
             del self.checkpoint_engine.load
         if client_state:
             client_state = without_universal_refusal(client_state)
@@ -294,6 +355,34 @@ def wrap_load_checkpoint(original):
         return load_path, client_state
 
     return load_checkpoint
+
+
+def wrap_load_module_state_dict(original):
+    @functools.wraps(original)
+    def load_module_state_dict(self, checkpoint, strict=True, custom_load_fn=None, **kwargs):
+        saved = _SAVED_MODULE.get(self) if _enabled(self) else None
+        if saved is None:
+            return original(self, checkpoint, strict, custom_load_fn, **kwargs)
+        if self.zero_optimization_partition_weights():
+            return load_owned(self.module, checkpoint, saved, strict)
+        # a stage-3 save into a stage-1/2 engine: the module whole, as a stage-1/2 save holds it
+        whole = {**checkpoint, "module": saved.completed(), FROZEN_PARAM_FRAGMENTS: None}
+        return original(self, whole, strict, custom_load_fn, **kwargs)
+
+    return load_module_state_dict
+
+
+def wrap_get_ckpt_name(original):
+    @functools.wraps(original)
+    def _get_ckpt_name(self, checkpoints_path, tag, mp_placeholder=None, pp_placeholder=None):
+        """At stage 3 the module file keeps the name of stages 1/2 (one file, rank 0's), so that a folder does not
+        depend on the world size that saved it (stock's stage 3 writes one per rank)."""
+        if not (_enabled(self) and self.zero_optimization_partition_weights()):
+            return original(self, checkpoints_path, tag, mp_placeholder, pp_placeholder)
+        mp = mp_placeholder if mp_placeholder is not None else f"{_mp_rank(self):02d}"
+        return os.path.join(checkpoints_path, str(tag), f"mp_rank_{mp}_model_states.pt")
+
+    return _get_ckpt_name
 
 
 def wrap_load_zero_checkpoint(original):

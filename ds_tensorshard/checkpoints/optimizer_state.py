@@ -15,6 +15,7 @@ from ds_tensorshard.checkpoints.sources import CheckpointSource
 from ds_tensorshard.datapath.broadcast import broadcast_buckets
 from ds_tensorshard.datapath.inner_optimizer import step_value
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.datapath.shapes import numel_of, shape_of
 from ds_tensorshard.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -93,8 +94,9 @@ class CheckpointMethods:
         self.shard.reload_from_params()
 
 
-def rank_file(optimizer: Checkpointed) -> dict:
-    """This rank's checkpoint file, as the dict DeepSpeed saves."""
+def rank_file(optimizer: Checkpointed, parameters: dict[str, dict] | None = None) -> dict:
+    """This rank's checkpoint file, as the dict DeepSpeed saves; ``parameters``: the untrained parameters it
+    keeps, at stage 3 (:func:`~ds_tensorshard.checkpoints.owned.kept_parameters`)."""
     names, inner, shard = optimizer.checkpoint_names, optimizer.optimizer, optimizer.shard
     tensors = {}
     for param, master in shard.masters.items():
@@ -115,7 +117,8 @@ def rank_file(optimizer: Checkpointed) -> dict:
         loss_scaler=loss_scaler_fields(optimizer.loss_scaler),
         overflow=optimizer.overflow,
         clip_grad=optimizer.clip_grad,
-        zero_stage=2 if optimizer.partition_gradients else 1,
+        zero_stage=2 if optimizer.partition_gradients else 1,  # stage 3: 2, see RankFile.zero_stage
+        parameters=parameters or {},
     ).to_dict()
 
 
@@ -125,7 +128,7 @@ def layout(optimizer: Checkpointed) -> tuple[list[list[str]], dict[str, tuple[in
     every = {p: optimizer.all_checkpoint_names[optimizer.names[p]] for p in optimizer.params}
     return (
         [[n for p in group for n in every[p]] for group in optimizer.bit16_groups],
-        {n: tuple(p.shape) for p in optimizer.params for n in every[p]},
+        {n: shape_of(p) for p in optimizer.params for n in every[p]},
     )
 
 
@@ -161,6 +164,6 @@ def load(
 
 def _owned_part(saved: torch.Tensor, param: torch.nn.Parameter, block: Block, master: torch.Tensor) -> torch.Tensor:
     """This rank's block of a saved tensor shaped like ``param``; other saved state (factors) as it is."""
-    if saved.numel() != param.numel():
+    if saved.numel() != numel_of(param):
         return saved
     return saved.reshape(-1)[block.start : block.stop].view_as(master)

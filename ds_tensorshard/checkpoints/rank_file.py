@@ -5,9 +5,10 @@ under ``optimizer_state_dict``; that payload is a :class:`RankFile`. It holds on
 plain values, so it loads with ``torch.load(weights_only=True)`` and nothing else. Tensors are
 whole and keyed by parameter name, so any world size can read them.
 
-Two entries are there for DeepSpeed's own readers: ``zero_stage`` (1 or 2, the run's ZeRO stage), which
-Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` reads from the file itself to find the model
-file; and ``ds_version``, the first entry stock ZeRO-1/2's loader reads (and parses as a version) from
+Two entries are there for DeepSpeed's own readers: ``zero_stage`` (1 or 2: the run's ZeRO stage, and 2 for a
+stage-3 run, whose folder has stage 2's layout: one ``mp_rank_00_model_states.pt``), which Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict`` reads from the file itself to find the model file; and
+``ds_version``, the first entry stock ZeRO-1/2's loader reads (and parses as a version) from
 an optimizer file, which here says what the file is, so that loading it without ds_tensorshard stops
 with an error naming ds_tensorshard (:data:`NOT_A_ZERO_FILE`).
 """
@@ -25,7 +26,9 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, Lo
 from ds_tensorshard.errors import CheckpointError
 
 FORMAT_KEY = "ds_tensorshard_format"
-FORMAT_VERSION = 2  # 2: loss scaler as plain fields, per-tensor state of any keys (1: a pickled scaler)
+# 3: ``parameters`` (a stage-3 save's untrained parameters; its model-states file holds placeholders for every
+# parameter); 2: loss scaler as plain fields, per-tensor state of any keys; 1: a pickled scaler
+FORMAT_VERSION = 3
 # stock ZeRO-1/2 (plugin off) fails on this with "packaging.version.InvalidVersion: Invalid version: '<it>'"
 NOT_A_ZERO_FILE = (
     "a ds_tensorshard rank file, not a ZeRO-1/2 optimizer file: load it with ds_tensorshard enabled, or write "
@@ -93,7 +96,11 @@ class RankFile:
     overflow: bool = False
     clip_grad: float = 0.0
     zero_stage: int | None = None
-    """The ZeRO stage (1 or 2) the saving run used; None where a converter did not know it."""
+    """The ZeRO stage (1 or 2; 2 for stage 3) the saving run used; None where a converter did not know it."""
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Stage 3 only: the parameters the optimizer does not train (frozen ones) that this rank keeps, by name:
+    ``{"value": tensor, "shape": [the whole tensor's shape]}``, plus ``"block": [start, stop]`` where the rank
+    keeps a dim-0 block of it (``value`` is then that block, flat). At stages 1/2 they are in the module file."""
     version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +118,7 @@ class RankFile:
             "loss_scaler": self.loss_scaler,
             "overflow": self.overflow,
             "clip_grad": self.clip_grad,
+            "parameters": self.parameters,
         }
 
     @staticmethod
@@ -145,9 +153,21 @@ class RankFile:
                 overflow=bool(payload["overflow"]),
                 clip_grad=float(payload["clip_grad"]),
                 zero_stage=int(payload["zero_stage"]) if payload.get("zero_stage") is not None else None,
+                parameters={name: _kept_entry(entry) for name, entry in (payload.get("parameters") or {}).items()},
                 version=version,
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise CheckpointError(
                 f"{path} is a damaged ds_tensorshard rank file ({type(err).__name__}: {err})"
             ) from None
+
+
+def _kept_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``parameters`` entry of a rank file, checked for its keys (a KeyError or TypeError where one is wrong)."""
+    value = entry["value"]
+    if not torch.is_tensor(value):
+        raise TypeError(f"a parameter's value is a {type(value).__name__}, not a tensor")
+    kept = {"value": value, "shape": tuple(int(n) for n in entry["shape"])}
+    if "block" in entry:
+        kept["block"] = [int(entry["block"][0]), int(entry["block"][1])]
+    return kept

@@ -29,6 +29,7 @@ from ds_tensorshard.errors import CheckpointError
 
 CHECKPOINT_ID_KEY = "ds_tensorshard_checkpoint_id"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # model-parallel rank 0's, present in every checkpoint
+STOCK_ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # stock ZeRO-3's rank 0 (one per rank)
 
 
 def model_states_name(mp_rank: int) -> str:
@@ -85,6 +86,15 @@ class CheckpointSource:
     def tensor(self, name: str) -> TensorState:
         raise NotImplementedError
 
+    def kept_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of a stage-3 save's untrained parameter ``name``, which its rank files hold (None where they
+        do not: at stages 1/2 and in stock checkpoints the module file holds every untrained parameter)."""
+        return None
+
+    def kept_parameter(self, name: str) -> torch.Tensor | None:
+        """That parameter's value, whole (None where the rank files do not hold it)."""
+        return None
+
     def check_model(self, group_names: Sequence[Sequence[str]], shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Refuse a checkpoint of another model: missing, extra or reshaped tensors, other param groups."""
         missing = [n for n in shapes if n not in self.shapes]
@@ -122,12 +132,19 @@ def _hyper(group: Mapping[str, Any]) -> dict:
     return {k: v for k, v in group.items() if k not in ("params", "step")}
 
 
-def _model_states(folder: str, mp_rank: int) -> dict:
+def read_model_states(folder: str, mp_rank: int = 0) -> dict:
+    """The checkpoint's module file of model-parallel rank ``mp_rank`` (checked against its digest, memory-mapped)."""
     path = os.path.join(folder, model_states_name(mp_rank))
     if mp_rank and not os.path.isfile(path):
         raise CheckpointError(
             f"checkpoint {folder} has no {model_states_name(mp_rank)}: it was saved with "
             f"{len(mp_ranks(folder))} model-parallel rank(s); resume with the same tensor-parallel size"
+        )
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, STOCK_ZERO3_MODEL_STATES)):
+        raise CheckpointError(
+            f"checkpoint {folder} is a stock ZeRO-3 checkpoint ({STOCK_ZERO3_MODEL_STATES}, no {MODEL_STATES}), "
+            "which ds_tensorshard does not load; load it with stock DeepSpeed, or write its weights with "
+            "DeepSpeed's zero_to_fp32 and load those"
         )
     files.verify(path)
     return files.load(path)
@@ -149,11 +166,15 @@ def _rank_files(folder: str, world_size: int, mp_rank: int) -> list[str]:
     return [found[r] for r in range(world_size)]
 
 
-def open_checkpoint(folder: str, universal: bool = False, mp_rank: int = 0) -> CheckpointSource:
-    """Open and check model-parallel rank ``mp_rank``'s part of the checkpoint in ``folder`` (``<save_dir>/<tag>``)."""
+def open_checkpoint(
+    folder: str, universal: bool = False, mp_rank: int = 0, model_states: dict | None = None
+) -> CheckpointSource:
+    """Open and check model-parallel rank ``mp_rank``'s part of the checkpoint in ``folder`` (``<save_dir>/<tag>``);
+    ``model_states``: its module file where the caller has read it already (:func:`read_model_states`)."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    return _open(folder, _model_states(folder, mp_rank), universal, mp_rank)
+    states = read_model_states(folder, mp_rank) if model_states is None else model_states
+    return _open(folder, states, universal, mp_rank)
 
 
 def _open(folder: str, model_states: dict, universal: bool, mp_rank: int) -> CheckpointSource:
@@ -191,6 +212,9 @@ class TensorShardSource(CheckpointSource):
         self.folder, self.paths, self.world_size = folder, paths, len(paths)
         expected_id = model_states.get(CHECKPOINT_ID_KEY)
         self.where: dict[str, list[int]] = {}
+        self.kept_where: dict[str, list[int]] = {}
+        self.kept_shapes: dict[str, tuple[int, ...]] = {}
+        covered: dict[str, int] = {}
         for rank, path in enumerate(paths):
             saved = self._read(path)
             if saved.checkpoint_id != expected_id:
@@ -202,6 +226,10 @@ class TensorShardSource(CheckpointSource):
                 raise CheckpointError(f"{path} was written as rank {saved.rank} of {saved.world_size}")
             for name in saved.tensors:
                 self.where.setdefault(name, []).append(rank)
+            for name, entry in saved.parameters.items():
+                self.kept_where.setdefault(name, []).append(rank)
+                self.kept_shapes[name] = tuple(entry["shape"])
+                covered[name] = covered.get(name, 0) + int(entry["value"].numel())
             if rank == 0:
                 self.group_names = saved.group_names
                 self.shapes = saved.shapes
@@ -212,10 +240,35 @@ class TensorShardSource(CheckpointSource):
         orphan = next((n for n in self.shapes if n not in self.where), None)
         if orphan is not None:
             raise CheckpointError(f"tensor '{orphan}' is in no rank file of checkpoint {folder}")
+        for name, shape in self.kept_shapes.items():
+            if covered[name] != math.prod(shape):
+                raise CheckpointError(
+                    f"the blocks of parameter '{name}' in checkpoint {folder} cover {covered[name]} of its "
+                    f"{math.prod(shape)} elements"
+                )
 
     @staticmethod
     def _read(path: str) -> RankFile:
         return RankFile.from_dict(files.load(path)["optimizer_state_dict"], path)
+
+    def kept_shape(self, name: str) -> tuple[int, ...] | None:
+        return self.kept_shapes.get(name)
+
+    def kept_parameter(self, name: str) -> torch.Tensor | None:
+        """The untrained parameter's value, whole, assembled from its blocks where the saving plan split it."""
+        if name not in self.kept_where:
+            return None
+        shape = self.kept_shapes[name]
+        numel = math.prod(shape)
+        value: torch.Tensor | None = None
+        for rank in self.kept_where[name]:
+            entry = self._read(self.paths[rank]).parameters[name]
+            start, stop = entry.get("block", (0, numel))
+            if value is None:
+                value = torch.empty(numel, dtype=entry["value"].dtype, device="cpu")
+            value[start:stop].copy_(entry["value"].reshape(-1))
+        assert value is not None, "a kept parameter is in some rank file"
+        return value.view(shape)
 
     def tensor(self, name: str) -> TensorState:
         """The whole tensor's state, assembled from its blocks where the saving plan split it."""

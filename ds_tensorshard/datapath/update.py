@@ -260,6 +260,11 @@ class OwnedShard:
         self.stepped.clear()
 
     @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """Every master into the model's tensor (block) it is the master of, as after an update."""
+        self._write_back(list(self.masters))
+
+    @torch.no_grad()
     def reload_from_params(self) -> None:
         """Refresh masters from the (possibly newly loaded) model tensors."""
         for param, master in self.masters.items():

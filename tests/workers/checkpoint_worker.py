@@ -2,7 +2,7 @@
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
     [--die-during-save-at K] [--own-folder-at K] [--universal] [--split auto|never] [--optimizer NAME]
-    [--moe EXPERTS:EP:K] [+ OUT DTYPE ... [+ ...]]
+    [--moe EXPERTS:EP:K] [--persistence N] [--load-tag TAG] [+ OUT DTYPE ... [+ ...]]
 
 Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
 one world size; a later run may load what an earlier one saved).
@@ -10,7 +10,8 @@ one world size; a later run may load what an earlier one saved).
 The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the world size (micro
 batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
 up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
-mean loss of each step run here and the final parameters. With ``--moe``, the model is moe_worker.py's
+mean loss of each step run here and the final parameters (at stage 3 gathered as users gather them, with
+``deepspeed.zero.GatheredParameters``), and after each save OUT.stepK: the parameters saved at step K. With ``--moe``, the model is moe_worker.py's
 (a DeepSpeed MoE layer; its param groups), each micro-batch's gating seeded by its first sequence's index so
 that every world size routes the same tokens alike, and OUT (from every rank, ``OUT.rankR``) holds each rank's
 parameters, keyed by global expert index.
@@ -102,6 +103,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--load-refused", action="store_true", help="--load must raise CheckpointError: rank 0 writes its message"
     )
+    parser.add_argument("--load-tag", help="the tag --load loads (default: the folder's 'latest')")
+    parser.add_argument("--persistence", type=int, help="zero_optimization.stage3_param_persistence_threshold")
     return parser.parse_args(argv)
 
 
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> None:
         config["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=1e-2)
     if args.universal:
         config["checkpoint"] = {"load_universal": True}
+    if args.persistence is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
     with model_device():
         model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
             return
         raise AssertionError(f"{args.load} was loaded")
     if args.load:
-        path, client_state = engine.load_checkpoint(args.load)
+        path, client_state = engine.load_checkpoint(args.load, tag=args.load_tag)
         assert path is not None, f"nothing loaded from {args.load}"
         assert client_state.get("marker") == "kept", client_state
     losses = {}
@@ -167,15 +172,23 @@ def run(args: argparse.Namespace) -> None:
                 print(f"SAVE FAILED {err}", flush=True)
                 close_process_group()
                 sys.exit(3)
+            if not args.moe:
+                write_params(engine, f"{args.out}.step{engine.global_steps}", rank)
     if args.moe:
         named = global_names(engine.module, {p: n for n, p in engine.module.named_parameters()})
         params = {named[p]: p.detach().float().clone() for p in engine.module.parameters()}
         torch.save({"losses": losses, "params": params}, f"{args.out}.rank{rank}")
-    elif rank == 0:
-        torch.save(
-            {"losses": losses, "params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}},
-            args.out,
-        )
+    else:
+        write_params(engine, args.out, rank, losses)
+
+
+def write_params(engine, out: str, rank: int, losses: dict | None = None) -> None:
+    """Rank 0 writes the parameters (gathered from their owners at stage 3, on every rank) and ``losses``."""
+    stage3 = engine.zero_optimization_partition_weights()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage3):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out)
 
 
 def main() -> None:
