@@ -52,6 +52,17 @@ def lay_out_for_two(folder) -> str:
     return folder / "c2"
 
 
+def run_ds_to_universal(monkeypatch, *args: str) -> None:
+    """``python -m deepspeed.checkpoint.ds_to_universal ARGS`` in this process (one worker: no pool)."""
+    import sys
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = ["ds_to_universal", *args, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
 def plant(path, key: str, payload) -> None:
     """Put ``payload`` into a checkpoint file and re-record its digest, as an attacker would."""
     content = torch.load(path, weights_only=False)

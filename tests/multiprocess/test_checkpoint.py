@@ -331,6 +331,99 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
         assert not (tmp_path / "out.json").exists()
 
 
+STAGE3 = ("--persistence", 0)  # every parameter released between uses
+
+
+@pytest.fixture(scope="module")
+def stage3_runs(tmp_path_factory):
+    """ZeRO stage 3 in two launches: at 2 ranks ds_tensorshard's and stock ZeRO-3's runs saved at step 3 and each
+    resumed from its own save, a stage-2 run saved and resumed at stage 3 and the reverse; at 3 ranks the stage-3
+    save resumed at stage 3 and at stage 2, the stage-2 save at stage 3."""
+    d = tmp_path_factory.mktemp("stage3")
+    r = {"dir": d}
+    names = ("ref3", "stock3", "stock_resumed", "resumed", "ref2", "s2_to_s3", "s3_to_s2")
+    r.update(
+        zip(
+            names,
+            train(
+                2,
+                (d / "ref3.pt", "fp32", "ts", 3, *STAGE3, "--save", d / "c3", "--save-at", 3),
+                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3),
+                (d / "stock3to2.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "s3"),
+                (d / "l3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
+                (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
+                (d / "l23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
+                (d / "l32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+            ),
+        )
+    )
+    r["saved3"] = torch.load(d / "ref3.pt.step3")
+    r["resumed_at_3"], r["s2_to_s3_at_3"], r["s3_to_s2_at_3"] = train(
+        3,
+        (d / "m3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
+        (d / "m23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
+        (d / "m32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+    )
+    return r
+
+
+def test_stage3_trains_and_resumes_as_stock_zero3_bit_for_bit(stage3_runs):
+    """Stock ZeRO-3 at 2 ranks saved at step 3 and resumed from its own save; ds_tensorshard's stage 3 the same
+    way: the same losses and parameters, bit for bit, uninterrupted and resumed."""
+    assert_same_run(stage3_runs["ref3"], stage3_runs["stock3"], "uninterrupted")
+    assert_continues(stage3_runs["stock_resumed"], stage3_runs["stock3"], {"loss": 0, "param": 0}, first_step=3)
+    assert_same_run(stage3_runs["resumed"], stage3_runs["stock_resumed"], "resumed at 2 ranks")
+
+
+@pytest.mark.parametrize("resumed", ["s2_to_s3", "s3_to_s2"])
+def test_stage2_and_stage3_checkpoints_load_at_the_other_stage_bit_for_bit(stage3_runs, resumed):
+    """At one world size stages 2 and 3 train alike (the same owners, the same data path): a save of either
+    resumes at the other exactly."""
+    assert_same_run(stage3_runs["ref2"], stage3_runs["ref3"], "stage 2 and stage 3 uninterrupted")
+    assert_continues(stage3_runs[resumed], stage3_runs["ref3"], {"loss": 0, "param": 0}, first_step=3)
+
+
+@pytest.mark.parametrize("resumed", ["resumed_at_3", "s2_to_s3_at_3", "s3_to_s2_at_3"])
+def test_stage3_checkpoints_resume_at_another_world_size(stage3_runs, resumed):
+    assert_continues(stage3_runs[resumed], stage3_runs["ref3"], FP32, first_step=3)
+
+
+def test_stage3_save_holds_each_parameter_once_in_stage2s_layout(stage3_runs):
+    """One module file (the parameters as placeholders), whatever the world size; each trained parameter's master
+    in its owner's rank file, each untrained one (frozen) in its owner's, together the whole model as saved."""
+    folder = stage3_runs["dir"] / "c3" / "step3"
+    listing = sorted(e for e in os.listdir(folder) if not e.startswith("."))
+    ranks = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    assert listing == ["mp_rank_00_model_states.pt", *ranks]
+    module = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(v.shape == (0,) for v in module.values())
+    found: dict[str, list] = {}
+    for name in ranks:
+        saved = torch.load(folder / name, weights_only=False)["optimizer_state_dict"]
+        for key, field in (("tensors", "master"), ("parameters", "value")):
+            for tensor, entry in saved[key].items():
+                found.setdefault(tensor, []).append(entry[field])
+    expected = stage3_runs["saved3"]["params"]
+    assert sorted(found) == sorted(expected) and {len(v) for v in found.values()} == {1}  # no tensor split here
+    for name, value in expected.items():
+        assert torch.equal(found[name][0], value), name
+
+
+def test_zero_to_fp32_of_a_stage3_save_is_the_gathered_model(stage3_runs, tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    save = stage3_runs["dir"] / "c3"
+    expected = stage3_runs["saved3"]["params"]  # gathered with GatheredParameters right after the save
+    expected = {**expected, "head.weight": expected["wte.weight"]}  # tied to the embedding
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(save))
+    assert ours.keys() == expected.keys() and all(torch.equal(ours[k], v) for k, v in expected.items())
+    command = [sys.executable, str(save / "zero_to_fp32.py"), str(save), str(tmp_path / "out")]
+    script = run_in_group(command, timeout=300)  # the script in the save folder, in a fresh interpreter
+    assert script.returncode == 0, script.stderr[-3000:]
+    written = torch.load(tmp_path / "out" / "pytorch_model.bin")
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
+
+
 @pytest.mark.extended  # CI time: 25.7M parameters at 2 ranks, about 50 s
 def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments); reading

@@ -16,14 +16,13 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.checkpoint import ds_to_universal
 from deepspeed.utils import zero_to_fp32
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoints import fp32_reader, stock_tools
 from ds_tensorshard.checkpoints.convert import convert
 from ds_tensorshard.checkpoints.sources import open_checkpoint
-from tests.helpers.one_rank import make_engine, train, train_and_save
+from tests.helpers.one_rank import make_engine, run_ds_to_universal, train, train_and_save
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.helpers.venvs import ensure_frameworks
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
@@ -107,13 +106,6 @@ def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, laid_out_for_
     runpy.run_path(str(saves["ts"] / "zero_to_torch.py"), run_name="__main__")
     sys.modules.pop("zero_to_fp32", None)
     assert_same(torch.load(tmp_path / "torch" / "pytorch_model.bin"), saves["weights"], torch.float16)
-
-
-def run_ds_to_universal(monkeypatch, *args: str) -> None:
-    """``python -m deepspeed.checkpoint.ds_to_universal ARGS`` in this process (one worker: no pool)."""
-    argv = ["ds_to_universal", *args, "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    monkeypatch.setattr(sys, "argv", argv)
-    ds_to_universal.main(ds_to_universal.parse_arguments())
 
 
 @pytest.mark.parametrize("inject", [False, True])

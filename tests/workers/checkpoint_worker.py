@@ -11,10 +11,10 @@ The global batch is 12 sequences per step (``CKPT_GLOBAL_BATCH``) whatever the w
 batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the same sequences make
 up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
 mean loss of each step run here and the final parameters (at stage 3 gathered as users gather them, with
-``deepspeed.zero.GatheredParameters``), and after each save OUT.stepK: the parameters saved at step K. With ``--moe``, the model is moe_worker.py's
-(a DeepSpeed MoE layer; its param groups), each micro-batch's gating seeded by its first sequence's index so
-that every world size routes the same tokens alike, and OUT (from every rank, ``OUT.rankR``) holds each rank's
-parameters, keyed by global expert index.
+``deepspeed.zero.GatheredParameters``), and after each save OUT.stepK: the parameters saved at step K. With
+``--moe``, the model is moe_worker.py's (a DeepSpeed MoE layer; its param groups), each micro-batch's gating
+seeded by its first sequence's index so that every world size routes the same tokens alike, and OUT (from every
+rank, ``OUT.rankR``) holds each rank's parameters, keyed by global expert index.
 """
 
 from __future__ import annotations
