@@ -176,3 +176,36 @@ def test_resume_8_to_3_and_3_to_8_across_a_split(tmp_path):
     ref3 = train(tmp_path / "r3.pt", 3, "--save", tmp_path / "c3", "--save-at", 3)
     assert_continues(train(tmp_path / "l83.pt", 3, "--load", tmp_path / "c8"), ref8)
     assert_continues(train(tmp_path / "l38.pt", 8, "--load", tmp_path / "c3"), ref3)
+
+
+@pytest.fixture(scope="module")
+def stage3_split(tmp_path_factory):
+    """ZeRO stage 3 with the embedding owned in dim-0 blocks at 3 ranks, trained (its masters in blocks) and frozen
+    (its owners' blocks of the parameter itself), saved at step 3 and resumed at 2 ranks at stage 3 and stage 2."""
+    d = tmp_path_factory.mktemp("stage3_split")
+    runs = {"trained": (), "frozen": ("--freeze-embedding",)}
+
+    def run(name, stage, *extra):
+        return (d / f"{name}.pt", "fp32", "ts", stage, 6, "--persistence", 0, *extra)
+
+    saves = [run(f"{k}3", 3, *flag, "--save", d / k, "--save-at", 3) for k, flag in runs.items()]
+    run_ranks(command(*saves), 3, env=CKPT_ENV)
+    resumes = [run(f"{k}3to2s{s}", s, *flag, "--load", d / k) for k, flag in runs.items() for s in (3, 2)]
+    run_ranks(command(*resumes), 2, env=CKPT_ENV)
+    return {"dir": d, **{p.stem: torch.load(p) for p in d.glob("*.pt")}}
+
+
+@pytest.mark.extended  # CI time: two launches at vocabulary 1024
+@pytest.mark.parametrize("kind", ["trained", "frozen"])
+def test_stage3_blocks_are_saved_as_blocks_and_resume_at_another_world_size_and_stage(stage3_split, kind):
+    from ds_tensorshard.checkpoints.files import load
+
+    folder = stage3_split["dir"] / kind / "step3"
+    section = "tensors" if kind == "trained" else "parameters"
+    files = [
+        load(str(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"] for r in range(3)
+    ]
+    blocks = sorted(f[section]["wte.weight"]["block"] for f in files if "wte.weight" in f[section])
+    assert len(blocks) >= 2 and blocks[0][0] == 0 and blocks[-1][1] == 1024 * 32, blocks
+    for stage in (3, 2):
+        assert_continues(stage3_split[f"{kind}3to2s{stage}"], stage3_split[f"{kind}3"])

@@ -2,7 +2,7 @@
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
     [--die-during-save-at K] [--own-folder-at K] [--universal] [--split auto|never] [--optimizer NAME]
-    [--moe EXPERTS:EP:K] [--persistence N] [--load-tag TAG] [+ OUT DTYPE ... [+ ...]]
+    [--moe EXPERTS:EP:K] [--persistence N] [--load-tag TAG] [--freeze-embedding] [+ OUT DTYPE ... [+ ...]]
 
 Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
 one world size; a later run may load what an earlier one saved).
@@ -105,6 +105,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--load-tag", help="the tag --load loads (default: the folder's 'latest')")
     parser.add_argument("--persistence", type=int, help="zero_optimization.stage3_param_persistence_threshold")
+    parser.add_argument("--freeze-embedding", action="store_true", help="the (tied) embedding does not train")
     return parser.parse_args(argv)
 
 
@@ -126,6 +127,8 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
     with model_device():
         model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
+    if args.freeze_embedding:
+        model.wte.weight.requires_grad_(False)
     client = setup(args.optimizer, model, config) if args.optimizer else None
     groups = [{"params": list(model.parameters())}] if args.optimizer == "adagrad" else param_groups(model)
     groups = moe_param_groups(model) if args.moe else groups
