@@ -20,8 +20,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
+from ds_tensorshard.checkpoints.kept import kept_parameters
 from ds_tensorshard.checkpoints.optimizer_state import rank_file
-from ds_tensorshard.checkpoints.owned import kept_parameters
 from ds_tensorshard.checkpoints.sources import CheckpointSource
 from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.datapath.domains import DENSE, Domain

@@ -41,7 +41,7 @@ from ds_tensorshard.checkpoints.files import (
     save_atomic,
     write_text_atomic,
 )
-from ds_tensorshard.checkpoints.owned import load_owned
+from ds_tensorshard.checkpoints.kept import load_owned
 from ds_tensorshard.checkpoints.rank_file import parse_rank_file_name
 from ds_tensorshard.checkpoints.saved_module import SavedModule, expected_module, placeholder_names
 from ds_tensorshard.checkpoints.sources import CHECKPOINT_ID_KEY, CheckpointSource, open_checkpoint, read_model_states

@@ -96,7 +96,7 @@ class CheckpointMethods:
 
 def rank_file(optimizer: Checkpointed, parameters: dict[str, dict] | None = None) -> dict:
     """This rank's checkpoint file, as the dict DeepSpeed saves; ``parameters``: the untrained parameters it
-    keeps, at stage 3 (:func:`~ds_tensorshard.checkpoints.owned.kept_parameters`)."""
+    keeps, at stage 3 (:func:`~ds_tensorshard.checkpoints.kept.kept_parameters`)."""
     names, inner, shard = optimizer.checkpoint_names, optimizer.optimizer, optimizer.shard
     tensors = {}
     for param, master in shard.masters.items():
