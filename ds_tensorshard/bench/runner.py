@@ -23,10 +23,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ds_tensorshard.bench.worker import (
+from ds_tensorshard.bench.configs import (
     CONFIGS,
     LAYOUT_CONFIGS,
-    LORA_RANK,
     MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
@@ -34,6 +33,7 @@ from ds_tensorshard.bench.worker import (
     add_run_arguments,
     second_model_shape,
 )
+from ds_tensorshard.commands.models import LORA_RANK
 
 LABELS = {
     "stage0": "stock stage 0",
@@ -158,25 +158,10 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
-    if args.configs[0] in TWO_MODEL_CONFIGS:
-        second = second_model_shape(args.width, args.layers)
-        models = (
-            f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
-            f"{args.width} and {second['layers']} layers x width {second['width']}, together"
-        )
-    elif args.model == "lora":
-        models = (
-            f"Model: LoRA-like, frozen base of {args.layers} linear layers of width {args.width}, vocab {args.vocab}, "
-            f"{2 * args.layers:,} trainable rank-{LORA_RANK} adapter tensors, optimizer {args.optimizer};"
-        )
-    else:
-        models = (
-            f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
-        )
+    """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
     lines = [
-        f"{models} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}parameters; "
-        f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
+        f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
+        f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
         f"median of {args.steps} steps after {args.warmup} warm-up. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
@@ -189,11 +174,48 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
-            f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
+            f"{' / '.join(_mib(b) for b in r['peak_rss_bytes'])} | {_mib(r['optimizer_state_bytes_fullest'])} | "
             f"{r['optimizer_state_fullest_over_ideal']:.4f} | {r['optimizer_state_bytes_total'] / r['numel']:.2f} | "
-            f"{mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
+            f"{_mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
+    lines += _notes(results)
     lines += [
+        "",
+        "Step-time ratio (row / column):",
+        "",
+        "| | " + " | ".join(r["label"] for r in results) + " |",
+        "|---" * (len(results) + 1) + "|",
+    ]
+    for row in results:
+        lines.append(
+            f"| {row['label']} | " + " | ".join(f"{row['step_s'] / col['step_s']:.2f}" for col in results) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _models_line(args: argparse.Namespace) -> str:
+    """The start of ``results.md``: the model (or the two models) benchmarked."""
+    if args.configs[0] in TWO_MODEL_CONFIGS:
+        second = second_model_shape(args.width, args.layers)
+        return (
+            f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
+            f"{args.width} and {second['layers']} layers x width {second['width']}, together"
+        )
+    if args.model == "lora":
+        return (
+            f"Model: LoRA-like, frozen base of {args.layers} linear layers of width {args.width}, vocab {args.vocab}, "
+            f"{2 * args.layers:,} trainable rank-{LORA_RANK} adapter tensors, optimizer {args.optimizer};"
+        )
+    return f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
+
+
+def _notes(results: list[dict]) -> list[str]:
+    """The lines under the table: what the operator counts are, host traffic, Newton-Schulz work, first losses."""
+    lines = [
         "",
         "ATen ops/step, host syncs/step: the ATen operators one step() dispatches after backward and the host syncs "
         "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
@@ -203,7 +225,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         lines += [
             "",
             "ZeRO-Offload, bytes between the accelerator and host memory per step, fullest rank (on CPU: what would "
-            "cross): " + "; ".join(f"{r['label']} {mib(r['host_bytes_per_rank'])} MiB" for r in results),
+            "cross): " + "; ".join(f"{r['label']} {_mib(r['host_bytes_per_rank'])} MiB" for r in results),
         ]
     if any("newton_schulz_fullest_over_ideal" in r for r in results):
         lines += [
@@ -216,21 +238,11 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
                 if "newton_schulz_fullest_over_ideal" in r
             ),
         ]
-    lines += [
+    return lines + [
         "",
         "Loss of the first model at the first steps, rank 0: "
         + "; ".join(f"{r['label']} " + ", ".join(f"{s[0]:.6f}" for s in r["losses_by_step"][:2]) for r in results),
-        "",
-        "Step-time ratio (row / column):",
-        "",
-        "| | " + " | ".join(r["label"] for r in results) + " |",
-        "|---" * (len(results) + 1) + "|",
     ]
-    for row in results:
-        lines.append(
-            f"| {row['label']} | " + " | ".join(f"{row['step_s'] / col['step_s']:.2f}" for col in results) + " |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def plot(results: list[dict], path: str) -> None:
