@@ -47,6 +47,7 @@ def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False
 
 
 Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
+ProgressFactory = Callable[[str, str], Progress]  # (label, unit) -> the progress callback of one conversion
 
 
 def fp32_state_dict(
@@ -305,14 +306,13 @@ def convert(
     world_size: int = 1,
     stage: int = 2,
     universal: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressFactory | None = None,
 ) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
     With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
-    Without ``progress``, a bar per model-parallel rank is shown when stdout is a terminal (nothing otherwise)."""
-    from ds_tensorshard.commands.progress import terminal_callback
-
+    ``progress(label, unit)``, where given, makes the ``progress(done, total)`` callback of each model-parallel
+    rank's conversion (the command line's draws a bar on a terminal); without it, nothing is reported."""
     folder, tag = resolve(src, tag, universal)
     ranks = mp_ranks(folder) or [0]
     sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
@@ -322,7 +322,7 @@ def convert(
         for mp_rank, source in zip(ranks, sources):
             label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
             save_atomic(
-                fp32_state_dict(source, progress or terminal_callback(label)),
+                fp32_state_dict(source, progress(label, "tensor") if progress else None),
                 dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}",
             )
         return dst
@@ -332,7 +332,7 @@ def convert(
         raise CheckpointError(f"unknown conversion target {to!r}: 'fp32', 'zero' or 'tensorshard'")
     for mp_rank, source in zip(ranks, sources):
         label = f"convert to {to}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
-        report = progress or terminal_callback(label, "tensor" if to == "tensorshard" else "rank file")
+        report = progress(label, "tensor" if to == "tensorshard" else "rank file") if progress else None
         if to == "tensorshard":
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:

@@ -55,6 +55,7 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
     from ds_tensorshard.checkpoints.convert import convert
+    from ds_tensorshard.commands.progress import terminal_callback
 
     written = convert(
         args.src,
@@ -64,6 +65,7 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         stage=args.stage,
         universal=args.universal,
+        progress=terminal_callback,  # a bar per conversion on a terminal, nothing in a log
     )
     print(f"wrote {written}")
     return 0
