@@ -5,7 +5,8 @@ ds_tensorshard with a plan per model, stepped in turn; ds_tensorshard with one j
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
 processes, so peak RSS is its own); this module launches them one after another, then writes
-``results.json``, ``results.md`` (table + ratio matrix) and ``results.png`` into ``--out``.
+``results.json``, ``results.md`` (its command, table + ratio matrix) and ``results.png`` into ``--out``.
+:mod:`.figure` merges several runs into one published figure.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import functools
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ds_tensorshard.bench.configs import (
@@ -160,6 +162,8 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
     lines = [
+        f"Command: `{command_line(vars(args))}`",
+        "",
         f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
         f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
         f"median of {args.steps} steps after {args.warmup} warm-up. "
@@ -246,12 +250,21 @@ def _notes(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str) -> None:
+    """``results.png``: the median time of each phase per configuration, and the fullest rank's peak RSS."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    draw(results, left, right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(results: list[dict], left: Any, right: Any) -> None:
+    """One run's plot on two matplotlib axes: phases stacked per configuration (left), peak RSS (right)."""
     breaks = {" (": "\n(", ": ": ":\n", ", ": ",\n", " + ZeroRedundancyOptimizer": "\n+ ZeroRedundancy-\nOptimizer"}
     labels = [functools.reduce(lambda text, pair: text.replace(*pair), breaks.items(), r["label"]) for r in results]
     bottom = [0.0] * len(results)
@@ -265,9 +278,6 @@ def plot(results: list[dict], path: str) -> None:
     right.bar(labels, [max(r["peak_rss_bytes"]) / 2**30 for r in results], color="gray")
     right.set_ylabel("peak RSS, fullest rank (GiB)")
     right.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -284,6 +294,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
+
+
+def command_line(arguments: Mapping[str, Any], out: str | None = None) -> str:
+    """The ``ds-tensorshard bench`` command of a run's arguments (``results.json``'s), its options at their
+    defaults left out; ``out`` in place of its ``--out`` where given."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = ["ds-tensorshard", "bench"]
+    for key, default in vars(parser.parse_args([])).items():
+        value = out if key == "out" and out is not None else arguments.get(key, default)
+        if value != default:
+            words += ["--" + key.replace("_", "-"), *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
