@@ -5,7 +5,8 @@ ds_tensorshard with a plan per model, stepped in turn; ds_tensorshard with one j
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
 processes, so peak RSS is its own); this module launches them one after another, then writes
-``results.json``, ``results.md`` (table + ratio matrix) and ``results.png`` into ``--out``.
+``results.json``, ``results.md`` (its command, table + ratio matrix) and ``results.png`` into ``--out``.
+:mod:`.figure` merges several runs into one published figure.
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import functools
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds_tensorshard.bench.worker import (
+from ds_tensorshard.bench.configs import (
     CONFIGS,
     LAYOUT_CONFIGS,
-    LORA_RANK,
     MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
@@ -34,6 +35,7 @@ from ds_tensorshard.bench.worker import (
     add_run_arguments,
     second_model_shape,
 )
+from ds_tensorshard.commands.models import LORA_RANK
 
 LABELS = {
     "stage0": "stock stage 0",
@@ -158,25 +160,12 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
-    if args.configs[0] in TWO_MODEL_CONFIGS:
-        second = second_model_shape(args.width, args.layers)
-        models = (
-            f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
-            f"{args.width} and {second['layers']} layers x width {second['width']}, together"
-        )
-    elif args.model == "lora":
-        models = (
-            f"Model: LoRA-like, frozen base of {args.layers} linear layers of width {args.width}, vocab {args.vocab}, "
-            f"{2 * args.layers:,} trainable rank-{LORA_RANK} adapter tensors, optimizer {args.optimizer};"
-        )
-    else:
-        models = (
-            f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
-        )
+    """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
     lines = [
-        f"{models} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}parameters; "
-        f"global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
+        f"Command: `{command_line(vars(args))}`",
+        "",
+        f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
+        f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
         f"median of {args.steps} steps after {args.warmup} warm-up. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
@@ -189,37 +178,12 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | {r['reduce_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['gather_s']:.3f} | {r['cpu_s']:.3f} | "
-            f"{' / '.join(mib(b) for b in r['peak_rss_bytes'])} | {mib(r['optimizer_state_bytes_fullest'])} | "
+            f"{' / '.join(_mib(b) for b in r['peak_rss_bytes'])} | {_mib(r['optimizer_state_bytes_fullest'])} | "
             f"{r['optimizer_state_fullest_over_ideal']:.4f} | {r['optimizer_state_bytes_total'] / r['numel']:.2f} | "
-            f"{mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
+            f"{_mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
+    lines += _notes(results)
     lines += [
-        "",
-        "ATen ops/step, host syncs/step: the ATen operators one step() dispatches after backward and the host syncs "
-        "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
-        "is on the host, so only the scalar reads), on one more, untimed step, the rank with the most.",
-    ]
-    if any(r["host_bytes_per_rank"] for r in results):
-        lines += [
-            "",
-            "ZeRO-Offload, bytes between the accelerator and host memory per step, fullest rank (on CPU: what would "
-            "cross): " + "; ".join(f"{r['label']} {mib(r['host_bytes_per_rank'])} MiB" for r in results),
-        ]
-    if any("newton_schulz_fullest_over_ideal" in r for r in results):
-        lines += [
-            "",
-            "Newton-Schulz work (m n min(m, n) per matrix orthogonalized) on the fullest rank over an even "
-            "share: "
-            + "; ".join(
-                f"{r['label']} {r['newton_schulz_fullest_over_ideal']:.3f}"
-                for r in results
-                if "newton_schulz_fullest_over_ideal" in r
-            ),
-        ]
-    lines += [
-        "",
-        "Loss of the first model at the first steps, rank 0: "
-        + "; ".join(f"{r['label']} " + ", ".join(f"{s[0]:.6f}" for s in r["losses_by_step"][:2]) for r in results),
         "",
         "Step-time ratio (row / column):",
         "",
@@ -233,13 +197,74 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _models_line(args: argparse.Namespace) -> str:
+    """The start of ``results.md``: the model (or the two models) benchmarked."""
+    if args.configs[0] in TWO_MODEL_CONFIGS:
+        second = second_model_shape(args.width, args.layers)
+        return (
+            f"Two GPTs trained in the same processes, vocab {args.vocab}: {args.layers} layers x width "
+            f"{args.width} and {second['layers']} layers x width {second['width']}, together"
+        )
+    if args.model == "lora":
+        return (
+            f"Model: LoRA-like, frozen base of {args.layers} linear layers of width {args.width}, vocab {args.vocab}, "
+            f"{2 * args.layers:,} trainable rank-{LORA_RANK} adapter tensors, optimizer {args.optimizer};"
+        )
+    return f"Model: GPT, {args.layers} layers, width {args.width}, vocab {args.vocab}, optimizer {args.optimizer},"
+
+
+def _notes(results: list[dict]) -> list[str]:
+    """The lines under the table: what the operator counts are, host traffic, Newton-Schulz work, first losses."""
+    lines = [
+        "",
+        "ATen ops/step, host syncs/step: the ATen operators one step() dispatches after backward and the host syncs "
+        "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
+        "is on the host, so only the scalar reads), on one more, untimed step, the rank with the most.",
+    ]
+    if any(r["host_bytes_per_rank"] for r in results):
+        lines += [
+            "",
+            "ZeRO-Offload, bytes between the accelerator and host memory per step, fullest rank (on CPU: what would "
+            "cross): " + "; ".join(f"{r['label']} {_mib(r['host_bytes_per_rank'])} MiB" for r in results),
+        ]
+    if any("newton_schulz_fullest_over_ideal" in r for r in results):
+        lines += [
+            "",
+            "Newton-Schulz work (m n min(m, n) per matrix orthogonalized) on the fullest rank over an even "
+            "share: "
+            + "; ".join(
+                f"{r['label']} {r['newton_schulz_fullest_over_ideal']:.3f}"
+                for r in results
+                if "newton_schulz_fullest_over_ideal" in r
+            ),
+        ]
+    return lines + [
+        "",
+        "Loss of the first model at the first steps, rank 0: "
+        + "; ".join(f"{r['label']} " + ", ".join(f"{s[0]:.6f}" for s in r["losses_by_step"][:2]) for r in results),
+    ]
+
+
 def plot(results: list[dict], path: str) -> None:
+    """``results.png``: the median time of each phase per configuration, and the fullest rank's peak RSS."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    draw(results, left, right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw(results: list[dict], left: Any, right: Any) -> None:
+    """One run's plot on two matplotlib axes: phases stacked per configuration (left), peak RSS (right)."""
     breaks = {" (": "\n(", ": ": ":\n", ", ": ",\n", " + ZeroRedundancyOptimizer": "\n+ ZeroRedundancy-\nOptimizer"}
     labels = [functools.reduce(lambda text, pair: text.replace(*pair), breaks.items(), r["label"]) for r in results]
     bottom = [0.0] * len(results)
@@ -253,9 +278,6 @@ def plot(results: list[dict], path: str) -> None:
     right.bar(labels, [max(r["peak_rss_bytes"]) / 2**30 for r in results], color="gray")
     right.set_ylabel("peak RSS, fullest rank (GiB)")
     right.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +294,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
+
+
+def command_line(arguments: Mapping[str, Any], out: str | None = None) -> str:
+    """The ``ds-tensorshard bench`` command of a run's arguments (``results.json``'s), its options at their
+    defaults left out; ``out`` in place of its ``--out`` where given."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = ["ds-tensorshard", "bench"]
+    for key, default in vars(parser.parse_args([])).items():
+        value = out if key == "out" and out is not None else arguments.get(key, default)
+        if value != default:
+            words += ["--" + key.replace("_", "-"), *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

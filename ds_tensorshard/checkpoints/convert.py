@@ -10,6 +10,7 @@ import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +48,7 @@ def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False
 
 
 Progress = Callable[[int, int], None]  # progress(done, total), called as a conversion advances
+ProgressFactory = Callable[[str, str], Progress]  # (label, unit) -> the progress callback of one conversion
 
 
 def fp32_state_dict(
@@ -214,62 +216,21 @@ def to_zero(
     every entry stock's ``state_dict()`` writes, ``param_slice_mappings`` (each tensor's slice of the
     rank's partition, what ds_to_universal reads) included.
     ``progress(done, total)`` is called after each rank's file."""
-    from deepspeed.checkpoint import constants
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
     refuse_moe(source, "--to zero")
     folder = os.path.join(dst, tag)
     os.makedirs(folder, exist_ok=True)
-    group_layouts = []
+    group_layouts = []  # per group: its tensor names, their elements, the elements of each rank's partition
     for names in source.group_names:
         total = sum(int(torch.Size(source.shapes[n]).numel()) for n in names)
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
     keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
-    hyper = source.param_groups or [{} for _ in group_layouts]
     step = None
     for rank in range(world_size):
-        masters, state, paddings = [], {}, []
-        slices: list[OrderedDict] = []  # param_slice_mappings: per group, name -> its slice of this partition
-        for g, (names, total, part) in enumerate(group_layouts):
-            flats = {k: torch.zeros(part, device="cpu") for k in ("master", *keys[g])}
-            lo, hi, offset = rank * part, (rank + 1) * part, 0
-            slices.append(OrderedDict())
-            for name in names:
-                numel = int(torch.Size(source.shapes[name]).numel())
-                a, b = max(lo, offset), min(hi, offset + numel)
-                if a < b:
-                    slices[g][name] = fragment_address(numel=b - a, start=a - lo)
-                    saved = source.tensor(name)
-                    step = saved.state.get("step") if step is None else step
-                    for key in flats:
-                        value = saved.master if key == "master" else saved.state.get(key)
-                        if value is not None:
-                            flats[key][a - lo : b - lo].copy_(value.reshape(-1)[a - offset : b - offset])
-                offset += numel
-            padding = max(0, min(part, hi - total))
-            paddings.append(padding)
-            masters.append(flats["master"][: part - padding].clone())
-            state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
-        optimizer_state = {
-            **_stock_scaler_fields(source),
-            "base_optimizer_state": {
-                "state": state,
-                "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
-            },
-            "single_partition_of_fp32_groups": masters,
-            "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
-            "group_paddings": paddings,
-        }
-        if hasattr(constants, "PARAM_ALIGNMENT_PADDINGS"):  # releases whose stock files have it (no alignment here)
-            optimizer_state[constants.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(names) for names, _, _ in group_layouts]
-        optimizer_state["partition_count"] = [world_size] * len(group_layouts)
-        optimizer_state["ds_version"] = source.model_states.get("ds_version")
-        optimizer_state["param_slice_mappings"] = slices
+        partition, step = _zero_partition(source, group_layouts, keys, rank, step)
         save_atomic(
             {
-                "optimizer_state_dict": optimizer_state,
+                "optimizer_state_dict": _zero_optimizer_state(source, partition, world_size, stage),
                 "ds_config": source.model_states.get("ds_config"),
                 "ds_version": source.model_states.get("ds_version"),
             },
@@ -280,6 +241,70 @@ def to_zero(
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
 
 
+class _ZeroPartition(NamedTuple):
+    """One rank's partition of every param group, as stock ZeRO-1/2's optimizer file holds it."""
+
+    masters: list[torch.Tensor]  # per group, the rank's fp32 slice without its padding
+    state: dict[int, dict]  # per group, the optimizer state as flat slices (and the step)
+    paddings: list[int]  # per group, the padding elements at the end of the rank's slice
+    slices: list[OrderedDict]  # param_slice_mappings: per group, name -> its slice of this partition
+
+
+def _zero_partition(
+    source: CheckpointSource, group_layouts: list[tuple[list[str], int, int]], keys: list[list[str]], rank: int, step
+) -> tuple[_ZeroPartition, object]:
+    """Rank ``rank``'s slices of the masters and of the elementwise optimizer state; ``step`` is the first
+    tensor's saved step, found on the way (None until then) and returned for the next rank."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    partition = _ZeroPartition([], {}, [], [])
+    for g, (names, total, part) in enumerate(group_layouts):
+        flats = {k: torch.zeros(part, device="cpu") for k in ("master", *keys[g])}
+        lo, hi, offset = rank * part, (rank + 1) * part, 0
+        partition.slices.append(OrderedDict())
+        for name in names:
+            numel = int(torch.Size(source.shapes[name]).numel())
+            a, b = max(lo, offset), min(hi, offset + numel)
+            if a < b:
+                partition.slices[g][name] = fragment_address(numel=b - a, start=a - lo)
+                saved = source.tensor(name)
+                step = saved.state.get("step") if step is None else step
+                for key in flats:
+                    value = saved.master if key == "master" else saved.state.get(key)
+                    if value is not None:
+                        flats[key][a - lo : b - lo].copy_(value.reshape(-1)[a - offset : b - offset])
+            offset += numel
+        padding = max(0, min(part, hi - total))
+        partition.paddings.append(padding)
+        partition.masters.append(flats["master"][: part - padding].clone())
+        partition.state[g] = {**({"step": step} if step is not None else {}), **{k: flats[k] for k in keys[g]}}
+    return partition, step
+
+
+def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, world_size: int, stage: int) -> dict:
+    """The ``optimizer_state_dict`` of stock ZeRO-1/2's file for one rank's partition."""
+    from deepspeed.checkpoint import constants
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    hyper = source.param_groups or [{} for _ in source.group_names]
+    optimizer_state = {
+        **_stock_scaler_fields(source),
+        "base_optimizer_state": {
+            "state": partition.state,
+            "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
+        },
+        "single_partition_of_fp32_groups": partition.masters,
+        "zero_stage": ZeroStageEnum.gradients if stage == 2 else ZeroStageEnum.optimizer_states,
+        "group_paddings": partition.paddings,
+    }
+    if hasattr(constants, "PARAM_ALIGNMENT_PADDINGS"):  # releases whose stock files have it (no alignment here)
+        optimizer_state[constants.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(names) for names in source.group_names]
+    optimizer_state["partition_count"] = [world_size] * len(source.group_names)
+    optimizer_state["ds_version"] = source.model_states.get("ds_version")
+    optimizer_state["param_slice_mappings"] = partition.slices
+    return optimizer_state
+
+
 def convert(
     src: str,
     dst: str,
@@ -288,14 +313,13 @@ def convert(
     world_size: int = 1,
     stage: int = 2,
     universal: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressFactory | None = None,
 ) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
     With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
-    Without ``progress``, a bar per model-parallel rank is shown when stdout is a terminal (nothing otherwise)."""
-    from ds_tensorshard.commands.progress import terminal_callback
-
+    ``progress(label, unit)``, where given, makes the ``progress(done, total)`` callback of each model-parallel
+    rank's conversion (the command line's draws a bar on a terminal); without it, nothing is reported."""
     folder, tag = resolve(src, tag, universal)
     ranks = mp_ranks(folder) or [0]
     sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
@@ -305,7 +329,7 @@ def convert(
         for mp_rank, source in zip(ranks, sources):
             label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
             save_atomic(
-                fp32_state_dict(source, progress or terminal_callback(label)),
+                fp32_state_dict(source, progress(label, "tensor") if progress else None),
                 dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}",
             )
         return dst
@@ -315,7 +339,7 @@ def convert(
         raise CheckpointError(f"unknown conversion target {to!r}: 'fp32', 'zero' or 'tensorshard'")
     for mp_rank, source in zip(ranks, sources):
         label = f"convert to {to}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
-        report = progress or terminal_callback(label, "tensor" if to == "tensorshard" else "rank file")
+        report = progress(label, "tensor" if to == "tensorshard" else "rank file") if progress else None
         if to == "tensorshard":
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
         else:

@@ -24,7 +24,9 @@ import re
 import shutil
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import deepspeed.runtime.engine as deepspeed_engine
 import torch.distributed
@@ -103,24 +105,7 @@ def wrap_save_checkpoint(original):
         staging = os.path.join(save_dir, f".{tag}.saving-{self.optimizer.checkpoint_id[:12]}")
         failures: list[str] = []
         written: dict[str, int] = {}  # each file this rank wrote, relative to save_dir: its size
-
-        def save(state_dict, path: str) -> None:
-            """Every file of this save goes to a staging folder (beside the tag's, never named like a tag);
-            a failed write is recorded, not raised, so that no rank is left in DeepSpeed's barriers."""
-            target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
-            if _MODEL_STATES.fullmatch(os.path.basename(path)):
-                if stage3:  # rank 0's fragments of the untrained parameters: their owners' rank files hold them
-                    state_dict = {**state_dict, FROZEN_PARAM_FRAGMENTS: None}
-                state_dict = refuse_universal_conversion(state_dict)  # ds_to_universal: say why not
-            try:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                save_atomic(state_dict, target)
-                for done in (target, digest_path(target)):
-                    written[os.path.relpath(done, save_dir)] = os.path.getsize(done)
-            except Exception as err:  # noqa: BLE001 - disk full, file too large, read-only: all end the save
-                failures.append(f"{path}: {type(err).__name__}: {err}")
-
-        self.checkpoint_engine.save = save  # instance attribute: this save only
+        self.checkpoint_engine.save = _staging_writer(save_dir, final, staging, failures, written, stage3)  # this save
         try:
             original(
                 self,
@@ -130,38 +115,73 @@ def wrap_save_checkpoint(original):
                 False,
                 exclude_frozen_parameters,
             )
-        except RuntimeError as err:  # the writes do not raise (above): a barrier of DeepSpeed's save failed
+        except RuntimeError as err:  # the writes do not raise (below): a barrier of DeepSpeed's save failed
             raise _lost_rank(final, staging, err) from err
         finally:
             del self.checkpoint_engine.save
-        if self.global_rank == 0:  # where DeepSpeed's save just copied its own zero_to_fp32.py
-            try:
-                write_recovery_script(save_dir)
-            except Exception as err:  # noqa: BLE001 - as for the checkpoint files
-                failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
-        reports: list = [None] * dist.get_world_size()
-        try:
-            torch.distributed.all_gather_object(reports, (failures, written))  # every file complete, on every rank?
-        except RuntimeError as err:
-            raise _lost_rank(final, staging, err) from err
-        verdict: list[str | None] = [None]
-        if self.global_rank == 0:
-            verdict[0] = _save_failure(save_dir, final, staging, reports)
-            if verdict[0] is not None:
-                _discard(staging, final)
-            else:
-                _move_into_place(staging, final)
-                _remove_stale_rank_files(final, self.optimizer.comm.world_size)
-                _remove_abandoned_staging(save_dir, tag)
-                if save_latest:
-                    write_text_atomic(os.path.join(save_dir, "latest"), tag)
-        torch.distributed.broadcast_object_list(verdict, src=0)  # after rank 0 committed (or discarded) the save
-        if verdict[0] is not None:
-            _discard(staging, final)  # this rank's own copy, where its host does not share rank 0's folder
-            raise CheckpointError(verdict[0])
+        _commit_save(self, save_dir, tag, staging, failures, written, save_latest)
         return True
 
     return save_checkpoint
+
+
+def _staging_writer(
+    save_dir: str, final: str, staging: str, failures: list[str], written: dict[str, int], stage3: bool
+) -> Callable[[Any, str], None]:
+    """The checkpoint engine's ``save`` for one save: every file goes to a staging folder (beside the tag's, never
+    named like a tag); a failed write is recorded in ``failures``, not raised, so that no rank is left in
+    DeepSpeed's barriers; each file written (and its digest) is recorded in ``written`` with its size. At
+    ``stage3`` the module file drops DeepSpeed's ``frozen_param_fragments`` (rank 0's blocks of the untrained
+    parameters: their owners' rank files hold them whole)."""
+
+    def save(state_dict, path: str) -> None:
+        target = os.path.join(staging, os.path.relpath(path, final)) if _inside(path, final) else path
+        if _MODEL_STATES.fullmatch(os.path.basename(path)):
+            if stage3:
+                state_dict = {**state_dict, FROZEN_PARAM_FRAGMENTS: None}
+            state_dict = refuse_universal_conversion(state_dict)  # ds_to_universal: say why not
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            save_atomic(state_dict, target)
+            for done in (target, digest_path(target)):
+                written[os.path.relpath(done, save_dir)] = os.path.getsize(done)
+        except Exception as err:  # noqa: BLE001 - disk full, file too large, read-only: all end the save
+            failures.append(f"{path}: {type(err).__name__}: {err}")
+
+    return save
+
+
+def _commit_save(
+    engine, save_dir: str, tag: str, staging: str, failures: list[str], written: dict[str, int], save_latest: bool
+) -> None:
+    """After DeepSpeed's save: every rank reports its failures and files; rank 0 moves the staging folder into
+    place (and ``latest``) only if every file is complete, else discards it; every rank raises the same error."""
+    final = os.path.join(save_dir, tag)
+    if engine.global_rank == 0:  # where DeepSpeed's save just copied its own zero_to_fp32.py
+        try:
+            write_recovery_script(save_dir)
+        except Exception as err:  # noqa: BLE001 - as for the checkpoint files
+            failures.append(f"{os.path.join(save_dir, 'zero_to_fp32.py')}: {type(err).__name__}: {err}")
+    reports: list = [None] * dist.get_world_size()
+    try:
+        torch.distributed.all_gather_object(reports, (failures, written))  # every file complete, on every rank?
+    except RuntimeError as err:
+        raise _lost_rank(final, staging, err) from err
+    verdict: list[str | None] = [None]
+    if engine.global_rank == 0:
+        verdict[0] = _save_failure(save_dir, final, staging, reports)
+        if verdict[0] is not None:
+            _discard(staging, final)
+        else:
+            _move_into_place(staging, final)
+            _remove_stale_rank_files(final, engine.optimizer.comm.world_size)
+            _remove_abandoned_staging(save_dir, tag)
+            if save_latest:
+                write_text_atomic(os.path.join(save_dir, "latest"), tag)
+    torch.distributed.broadcast_object_list(verdict, src=0)  # after rank 0 committed (or discarded) the save
+    if verdict[0] is not None:
+        _discard(staging, final)  # this rank's own copy, where its host does not share rank 0's folder
+        raise CheckpointError(verdict[0])
 
 
 def _lost_rank(final: str, staging: str, err: RuntimeError) -> CheckpointError:

@@ -55,6 +55,7 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
     from ds_tensorshard.checkpoints.convert import convert
+    from ds_tensorshard.commands.progress import terminal_callback
 
     written = convert(
         args.src,
@@ -64,14 +65,53 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         stage=args.stage,
         universal=args.universal,
+        progress=terminal_callback,  # a bar per conversion on a terminal, nothing in a log
     )
     print(f"wrote {written}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ds-tensorshard` parser: one subcommand per job."""
     parser = argparse.ArgumentParser(prog="ds-tensorshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+
+    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2 ds_config for ds_tensorshard")
+    migrate.add_argument("input", help="stock DeepSpeed config JSON")
+    migrate.add_argument("-o", "--output", required=True, help="where to write the new config")
+    migrate.set_defaults(func=cmd_migrate_config)
+
+    conv = sub.add_parser("convert-checkpoint", help="convert between stock ZeRO, ds_tensorshard and fp32 weights")
+    conv.add_argument("src", help="checkpoint save dir (tag from 'latest') or tag folder")
+    conv.add_argument("dst", help="save dir to write (--to tensorshard|zero) or .pt file (--to fp32)")
+    conv.add_argument("--to", required=True, choices=["tensorshard", "fp32", "zero"])
+    conv.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
+    conv.add_argument("--world-size", type=int, default=1, help="ranks the written files are laid out for")
+    conv.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage recorded with --to zero")
+    conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
+    conv.set_defaults(func=cmd_convert_checkpoint)
+
+    from ds_tensorshard.bench import add_arguments, run
+
+    bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
+    add_arguments(bench)
+    bench.set_defaults(func=lambda args: run(args) and 0)
+
+    from ds_tensorshard.commands import report as report_command
+
+    report = sub.add_parser(
+        "report",
+        help="versions, MPI library, transports, FusedAdam, stale build locks; "
+        "whether --config would be accepted; the plan at --world-size",
+    )
+    report_command.add_arguments(report)
+    report.set_defaults(func=report_command.run)
+    return parser
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    """The ``plan`` command and its arguments."""
     plan = sub.add_parser("plan", help="ownership plan, buckets and wire volume of a model at given world sizes")
     add_model_arguments(plan, size_overrides=True)
     plan.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
@@ -113,38 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)
-
-    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2 ds_config for ds_tensorshard")
-    migrate.add_argument("input", help="stock DeepSpeed config JSON")
-    migrate.add_argument("-o", "--output", required=True, help="where to write the new config")
-    migrate.set_defaults(func=cmd_migrate_config)
-
-    conv = sub.add_parser("convert-checkpoint", help="convert between stock ZeRO, ds_tensorshard and fp32 weights")
-    conv.add_argument("src", help="checkpoint save dir (tag from 'latest') or tag folder")
-    conv.add_argument("dst", help="save dir to write (--to tensorshard|zero) or .pt file (--to fp32)")
-    conv.add_argument("--to", required=True, choices=["tensorshard", "fp32", "zero"])
-    conv.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
-    conv.add_argument("--world-size", type=int, default=1, help="ranks the written files are laid out for")
-    conv.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage recorded with --to zero")
-    conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
-    conv.set_defaults(func=cmd_convert_checkpoint)
-
-    from ds_tensorshard.bench import add_arguments, run
-
-    bench = sub.add_parser("bench", help="ds_tensorshard vs stock ZeRO-0/1/2 and DDP+ZeroRedundancyOptimizer")
-    add_arguments(bench)
-    bench.set_defaults(func=lambda args: run(args) and 0)
-
-    from ds_tensorshard.commands import report as report_command
-
-    report = sub.add_parser(
-        "report",
-        help="versions, MPI library, transports, FusedAdam, stale build locks; "
-        "whether --config would be accepted; the plan at --world-size",
-    )
-    report_command.add_arguments(report)
-    report.set_defaults(func=report_command.run)
-    return parser
 
 
 def _logs_to_stderr() -> None:

@@ -103,7 +103,10 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
     def device(self, device_index: int | None = None) -> torch.device:
         return torch.device("cuda", self._current if device_index is None else device_index)
 
-    def set_device(self, device_index: int) -> None:
+    def set_device(self, device_index: int | torch.device) -> None:
+        """As ``torch.cuda.set_device``: an index or a device (stock ZeRO-3's ``zero.Init`` passes a device)."""
+        if isinstance(device_index, torch.device):
+            device_index = self._current if device_index.index is None else device_index.index
         if not 0 <= int(device_index) < self._device_count:
             raise RuntimeError(f"CUDA error: invalid device ordinal (emulated: {self._device_count} device(s))")
         self._current = int(device_index)

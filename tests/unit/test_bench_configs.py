@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_tensorshard.bench.worker import LAYOUT_CONFIGS, ds_config
+from ds_tensorshard.bench.configs import LAYOUT_CONFIGS, ds_config
 
 
 @pytest.mark.parametrize("name", LAYOUT_CONFIGS)

@@ -1,6 +1,7 @@
 """The documentation agrees with the code: the README's config-keys table is the ``"tensorshard"`` block's
-fields (keys, defaults, and each meaning the field's docstring), and every relative link in README.md and
-docs/ leads to a file, and to a heading of it, that exist. In-process, no processes started."""
+fields (keys, defaults, and each meaning the field's docstring), every relative link in README.md and
+docs/ leads to a file, and to a heading of it, that exist, and docs/layout.md names every module. In-process, no
+processes started."""
 
 from __future__ import annotations
 
@@ -148,10 +149,10 @@ def test_each_docs_page_has_one_title_first(path):
     assert len(titles) == 1, f"{os.path.relpath(path, ROOT)} has {len(titles)} '# ' titles"
 
 
-def test_readme_layout_names_every_module():
-    """The README's Layout table names each module of the package (bench/ and examples/ as folders): a module
+def test_layout_page_names_every_module():
+    """docs/layout.md's table names each module of the package (bench/ and examples/ as folders): a module
     added without a row fails here. A row naming several modules lists the later ones by file name."""
-    layout = read(README).split("## Layout", 1)[1].split("\n## ", 1)[0]
+    layout = read(os.path.join(DOCS, "layout.md"))
     package = os.path.join(ROOT, "ds_tensorshard")
     missing = []
     for folder, _, files in os.walk(package):
@@ -161,4 +162,4 @@ def test_readme_layout_names_every_module():
         for name in files:
             if name.endswith(".py") and name != "__init__.py" and f"{name}`" not in layout:
                 missing.append(os.path.normpath(os.path.join(relative, name)))
-    assert not missing, f"README.md's Layout table has no row for: {', '.join(sorted(missing))}"
+    assert not missing, f"docs/layout.md's table has no row for: {', '.join(sorted(missing))}"

@@ -1,4 +1,4 @@
-"""``ds-tensorshard report`` in process (ds_tensorshard.commands.report)."""
+"""``ds-tensorshard report`` in process (ds_tensorshard.commands.report and the modules it assembles)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import deepspeed
 import pytest
 import torch
 
-from ds_tensorshard.commands import report
+from ds_tensorshard.commands import config_check, extensions, report
 from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.commands.plan_report import plan_report
 from ds_tensorshard.errors import TensorShardConfigError
@@ -37,12 +37,13 @@ def test_versions_mpi_library_and_transports_of_this_machine():
 def test_fused_adam_is_found_where_torch_builds_it(monkeypatch, tmp_path):
     from torch.utils.cpp_extension import _get_build_directory
 
-    found = report.fused_adam()  # where torch builds now: TORCH_EXTENSIONS_DIR (as setup_env.sh sets it) or its default
+    # where torch builds now: TORCH_EXTENSIONS_DIR (as setup_env.sh sets it) or its default
+    found = extensions.fused_adam()
     assert found["folder"] == _get_build_directory("fused_adam", False)
     # launch/setup_env.sh builds FusedAdam once before the tests, in that folder
     assert found["jit_built"] == os.path.isfile(os.path.join(found["folder"], "fused_adam.so")) == True  # noqa: E712
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    empty = report.fused_adam()
+    empty = extensions.fused_adam()
     assert empty["folder"] == str(tmp_path / "fused_adam") == _get_build_directory("fused_adam", False)
     assert not empty["jit_built"]
 
@@ -58,7 +59,7 @@ def test_build_locks_stale_when_nobody_builds_or_too_old(tmp_path):
     os.utime(busy / "lock", (five_min_ago, five_min_ago))
     builder = subprocess.Popen(["sleep", "60"], cwd=busy)  # stands where ninja works during a build
     try:
-        locks = {lock["op"]: lock for lock in report.build_locks([str(tmp_path)])}
+        locks = {lock["op"]: lock for lock in extensions.build_locks([str(tmp_path)])}
     finally:
         builder.kill()
         builder.wait()
@@ -67,7 +68,7 @@ def test_build_locks_stale_when_nobody_builds_or_too_old(tmp_path):
     assert not locks["cpu_adam"]["stale"] and "just created" in locks["cpu_adam"]["why"]
     assert not locks["deepspeed_shm_comm"]["stale"] and str(builder.pid) in locks["deepspeed_shm_comm"]["why"]
     # the builder is gone now: a five-minute-old lock with nobody working there is stale
-    again = {lock["op"]: lock for lock in report.build_locks([str(tmp_path)])}
+    again = {lock["op"]: lock for lock in extensions.build_locks([str(tmp_path)])}
     assert again["deepspeed_shm_comm"]["stale"] and "no process is building" in again["deepspeed_shm_comm"]["why"]
 
 
@@ -87,7 +88,7 @@ def test_refusal_has_the_message_initialize_gives(tmp_path, single_rank_world):
         "gradient_accumulation_steps": 1,
         "tensorshard": {"enabled": True, "bucket_size": 3},
     }
-    found = report.check_config(bad)
+    found = config_check.check_config(bad)
     assert not found["accepted"] and found["deepspeed"] == "accepted"
     with pytest.raises(TensorShardConfigError) as raised:
         deepspeed.initialize(
@@ -98,12 +99,12 @@ def test_refusal_has_the_message_initialize_gives(tmp_path, single_rank_world):
 
 
 def test_deepspeed_refusals_and_batch_size_at_the_world_size():
-    stage4 = report.check_config({**GOOD, "zero_optimization": {"stage": 4}})
+    stage4 = config_check.check_config({**GOOD, "zero_optimization": {"stage": 4}})
     assert not stage4["accepted"] and "ValidationError" in stage4["deepspeed"] and stage4["tensorshard"] is None
-    assert report.check_config(GOOD, world_size=2)["accepted"]
-    unknown = report.check_config(GOOD)
+    assert config_check.check_config(GOOD, world_size=2)["accepted"]
+    unknown = config_check.check_config(GOOD)
     assert unknown["accepted"] and "give --world-size" in unknown["note"]
-    at3 = report.check_config(GOOD, world_size=3)
+    at3 = config_check.check_config(GOOD, world_size=3)
     assert not at3["accepted"] and "8 != 2 * 2 * 3" in at3["deepspeed"]
 
 
@@ -115,7 +116,7 @@ def test_auto_values_are_listed_and_left_to_the_framework():
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
         "tensorshard": {"enabled": True},
     }
-    found = report.check_config(config)
+    found = config_check.check_config(config)
     assert found["accepted"], found
     assert found["auto_keys"] == [
         "train_batch_size",
