@@ -153,7 +153,7 @@ class RankFile:
                 overflow=bool(payload["overflow"]),
                 clip_grad=float(payload["clip_grad"]),
                 zero_stage=int(payload["zero_stage"]) if payload.get("zero_stage") is not None else None,
-                parameters={name: _kept_entry(entry) for name, entry in (payload.get("parameters") or {}).items()},
+                parameters={n: _kept_entry(entry, path) for n, entry in (payload.get("parameters") or {}).items()},
                 version=version,
             )
         except (KeyError, TypeError, AttributeError) as err:
@@ -162,11 +162,13 @@ class RankFile:
             ) from None
 
 
-def _kept_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``parameters`` entry of a rank file, checked for its keys (a KeyError or TypeError where one is wrong)."""
+def _kept_entry(entry: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """A ``parameters`` entry of a rank file, checked (a KeyError where a key is missing)."""
     value = entry["value"]
     if not torch.is_tensor(value):
-        raise TypeError(f"a parameter's value is a {type(value).__name__}, not a tensor")
+        raise CheckpointError(
+            f"{path} is a damaged ds_tensorshard rank file (a parameter's value is a {type(value).__name__})"
+        )
     kept = {"value": value, "shape": tuple(int(n) for n in entry["shape"])}
     if "block" in entry:
         kept["block"] = [int(entry["block"][0]), int(entry["block"][1])]
