@@ -22,6 +22,7 @@ from ds_tensorshard.checkpoints.files import digest_path, file_digest
 from ds_tensorshard.errors import CheckpointError
 from tests.helpers.one_rank import make_engine, run_ds_to_universal, train
 from tests.helpers.tiny_gpt import TinyGPT
+from tests.helpers.venvs import ensure_frameworks
 from tests.workers.equivalence_worker import SEQ, VOCAB, ds_config, param_groups
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
@@ -162,6 +163,17 @@ def test_a_universal_checkpoint_loads_at_stage_3(saved, tmp_path, monkeypatch):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     engine.load_checkpoint(str(tmp_path / "zero"))
     assert_equal(gathered(engine), saved["bf16", "b"])  # frozen_scale: not in a universal checkpoint, 0.5 in both
+
+
+@pytest.mark.frameworks  # Lightning comes with the frameworks tier's extra
+def test_lightnings_converter_reads_a_stage3_save(saved, tmp_path):
+    """Lightning finds the module file by the rank files' ``zero_stage`` (2: the folder's layout) and the weights
+    through zero_to_fp32."""
+    ensure_frameworks()
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    written = convert_zero_checkpoint_to_fp32_state_dict(str(saved["dir"] / "fp32"), str(tmp_path / "lightning.pt"))
+    assert_equal(written["state_dict"], {**saved["fp32", "b"], "head.weight": saved["fp32", "b"]["wte.weight"]})
 
 
 def refused(engine, load_dir, message: str, **kwargs) -> None:
