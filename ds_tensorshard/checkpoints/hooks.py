@@ -13,6 +13,12 @@ the transport's (which names the lost peer's address) where a collective of the 
 checked against the model *before* DeepSpeed touches any state; then DeepSpeed loads the module,
 scheduler and client state as usual and ``_load_zero_checkpoint`` hands each rank its owned
 tensors, whatever world size saved them.
+
+At ZeRO stage 3 (``_get_ckpt_name``) the folder keeps the layout of stages 1/2: one module file, rank 0's, whose
+parameters are DeepSpeed's empty placeholders, each parameter's value in its owner's rank file
+(:mod:`.kept`). ``load_module_state_dict`` is then ds_tensorshard's where the module's values are found by name
+(:mod:`.saved_module`): at stage 3 each owner copies its blocks into its ``ds_tensor`` (:func:`.kept.load_owned`),
+and a stage-1/2 engine loading a stage-3 save gets the module whole.
 """
 
 from __future__ import annotations

@@ -424,6 +424,41 @@ def test_zero_to_fp32_of_a_stage3_save_is_the_gathered_model(stage3_runs, tmp_pa
     assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
 
 
+@pytest.fixture(scope="module")
+def stage3_bf16_runs(tmp_path_factory):
+    """bf16 at stage 3: ds_tensorshard's and stock ZeRO-3's runs at 2 ranks, each saved at step 3 and resumed from
+    its own save; ds_tensorshard's save resumed at 3 ranks at stage 3 and at stage 2."""
+    d = tmp_path_factory.mktemp("stage3_bf16")
+    r = dict(
+        zip(
+            ("ref", "stock", "stock_resumed", "resumed"),
+            train(
+                2,
+                (d / "ref.pt", "bf16", "ts", 3, *STAGE3, "--save", d / "c", "--save-at", 3),
+                (d / "stock.pt", "bf16", "stock", 3, *STAGE3, "--save", d / "s", "--save-at", 3),
+                (d / "stock_resumed.pt", "bf16", "stock", 3, *STAGE3, "--load", d / "s"),
+                (d / "resumed.pt", "bf16", "ts", 3, *STAGE3, "--load", d / "c"),
+            ),
+        )
+    )
+    r["at_3"], r["s2_at_3"] = train(
+        3,
+        (d / "at3.pt", "bf16", "ts", 3, *STAGE3, "--load", d / "c"),
+        (d / "s2at3.pt", "bf16", "ts", 2, "--load", d / "c"),
+    )
+    return r
+
+
+@pytest.mark.extended  # CI time: two launches; fp32 stays in the default suite, bf16 at one rank in tests/unit
+def test_stage3_bf16_saves_resume_as_stock_zero3_and_at_another_world_size_and_stage(stage3_bf16_runs):
+    r = stage3_bf16_runs
+    assert_same_run(r["ref"], r["stock"], "uninterrupted")
+    assert_same_run(r["resumed"], r["stock_resumed"], "resumed at 2 ranks")
+    assert_continues(r["stock_resumed"], r["stock"], {"loss": 0, "param": 0}, first_step=3)
+    for resumed in ("at_3", "s2_at_3"):
+        assert_continues(r[resumed], r["ref"], BF16, first_step=3)
+
+
 @pytest.mark.extended  # CI time: 25.7M parameters at 2 ranks, about 50 s
 def test_save_and_load_stream_within_own_share_plus_one_tensor(tmp_path):
     # 8 layers x width 512: 25.7M parameters, 147 MiB of optimizer state per rank (masters + moments); reading

@@ -109,8 +109,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> None:
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+def config_of(args: argparse.Namespace, world: int) -> tuple[dict, int, int]:
+    """The run's DeepSpeed config, its micro batch and gradient accumulation steps."""
     assert GLOBAL_BATCH % world == 0, (GLOBAL_BATCH, world)
     micro_batch = 2 if (GLOBAL_BATCH // world) % 2 == 0 else 1
     gas = GLOBAL_BATCH // (micro_batch * world)
@@ -124,6 +124,12 @@ def run(args: argparse.Namespace) -> None:
         config["checkpoint"] = {"load_universal": True}
     if args.persistence is not None:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence
+    return config, micro_batch, gas
+
+
+def run(args: argparse.Namespace) -> None:
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    config, micro_batch, gas = config_of(args, world)
     torch.manual_seed(4321 if args.load else 1234)  # a loaded run must not depend on its own init
     with model_device():
         model = moe_model(args.moe) if args.moe else TinyGPT(vocab=VOCAB, seq=SEQ)
