@@ -6,6 +6,8 @@ far each rank's peak RSS rose above that baseline::
 
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.checkpoint_memory --phase save --dir /tmp/ck
     deepspeed --num_gpus 2 --module ds_tensorshard.examples.checkpoint_memory --phase load --dir /tmp/ck
+
+``--stage 3``: ZeRO stage 3 (each parameter kept by its owner only, released between uses).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from deepspeed import comm as dist
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.commands.models import PRESETS, build, synthetic_batch
+from ds_tensorshard.datapath.shapes import numel_of
 from ds_tensorshard.transports.torch_comm import close_process_group
 
 
@@ -36,13 +39,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence in the training step")
     for key in ("layers", "width", "vocab"):
         parser.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
+    parser.add_argument("--stage", type=int, default=2, choices=[1, 2, 3], help="the ZeRO stage")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": args.stage},
         "tensorshard": {"enabled": True, "bucket_numel": 20_000_000},
     }
     torch.manual_seed(0)
@@ -62,7 +66,7 @@ def main() -> None:
     peak = peak_rss_mib()
     rank = dist.get_rank()
     owned = optimizer.plan.numel_per_rank[rank]
-    largest = max(p.numel() for p in optimizer.params)
+    largest = max(numel_of(p) for p in optimizer.params)
     row = {
         "phase": args.phase,
         "rank": rank,

@@ -30,9 +30,11 @@ pytestmark = pytest.mark.usefixtures("single_rank_world")
 RANK_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def stage3_engine(dtype: str = "fp32", stage: int = 3, seed: int = 11, **model_args):
+def stage3_engine(dtype: str = "fp32", stage: int = 3, seed: int = 11, buffer: bool = False, **model_args):
     torch.manual_seed(seed)
     model = TinyGPT(vocab=VOCAB, seq=SEQ, **model_args)
+    if buffer:  # a persistent buffer, which stage 3 does not partition
+        model.register_buffer("counts", torch.zeros(5))
     config = ds_config(dtype, "ts", stage, 1)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -163,6 +165,18 @@ def test_a_universal_checkpoint_loads_at_stage_3(saved, tmp_path, monkeypatch):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     engine.load_checkpoint(str(tmp_path / "zero"))
     assert_equal(gathered(engine), saved["bf16", "b"])  # frozen_scale: not in a universal checkpoint, 0.5 in both
+
+
+def test_buffers_load_as_usual(tmp_path):
+    engine = stage3_engine("fp32", seed=7, buffer=True)
+    train(engine, 1)
+    engine.module.counts.copy_(torch.arange(5.0))
+    engine.save_checkpoint(str(tmp_path / "c"), tag="t")
+    expected = gathered(engine)
+    fresh = stage3_engine("fp32", buffer=True)
+    fresh.load_checkpoint(str(tmp_path / "c"))
+    assert torch.equal(fresh.module.counts, torch.arange(5.0))
+    assert_equal(gathered(fresh), expected)
 
 
 @pytest.mark.frameworks  # Lightning comes with the frameworks tier's extra
