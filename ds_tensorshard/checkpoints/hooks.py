@@ -63,8 +63,10 @@ from ds_tensorshard.errors import CheckpointError, TensorShardConfigError
 _MODEL_STATES = re.compile(r"mp_rank_\d+_model_states\.pt")
 # the checkpoint an engine's load_checkpoint opened, for the _load_zero_checkpoint it calls to read
 _OPENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# its module values, where ds_tensorshard loads the module (stage 3, or a stage-3 save at stages 1/2)
+# its module values, where ds_tensorshard loads the module (stage 3, or a stage-3 save at stages 1/2), and whether
+# the optimizer's load (its masters) follows
 _SAVED_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MASTERS_FOLLOW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _enabled(engine) -> bool:
@@ -359,6 +361,7 @@ def wrap_load_checkpoint(original):
             return call()
         load = _Load(load_module_strict, load_optimizer_states, load_module_only, custom_load_fn)
         _OPENED[self], _SAVED_MODULE[self] = _open_for_load(self, os.path.join(load_dir, resolved), universal, load)
+        _MASTERS_FOLLOW[self] = load_optimizer_states and not load_module_only
         self.checkpoint_engine.load = load_for_deepspeed  # DeepSpeed's own reads: no code from the files either
         try:
             with _module_file_for_stage3(_SAVED_MODULE[self] if self.zero_optimization_partition_weights() else None):
@@ -373,7 +376,7 @@ def wrap_load_checkpoint(original):
                     custom_load_fn,
                 )
         finally:
-            del _OPENED[self], _SAVED_MODULE[self]
+            del _OPENED[self], _SAVED_MODULE[self], _MASTERS_FOLLOW[self]
             del self.checkpoint_engine.load
         if client_state:
             client_state = without_universal_refusal(client_state)
@@ -390,7 +393,8 @@ def wrap_load_module_state_dict(original):
         if saved is None:
             return original(self, checkpoint, strict, custom_load_fn, **kwargs)
         if self.zero_optimization_partition_weights():
-            return load_owned(self.module, checkpoint, saved, strict)
+            trained = self.optimizer.params if _MASTERS_FOLLOW.get(self) else ()
+            return load_owned(self.module, checkpoint, saved, strict, trained)
         # a stage-3 save into a stage-1/2 engine: the module whole, as a stage-1/2 save holds it
         whole = {**checkpoint, "module": saved.completed(), FROZEN_PARAM_FRAGMENTS: None}
         return original(self, whole, strict, custom_load_fn, **kwargs)

@@ -9,7 +9,7 @@ here, into the same file's ``parameters``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -40,11 +40,19 @@ def kept_parameters(named: Mapping[ZeroParam, str], trained: Iterable[ZeroParam]
 
 
 @torch.no_grad()
-def load_owned(module: torch.nn.Module, checkpoint: Mapping[str, Any], saved: SavedModule, strict: bool) -> None:
+def load_owned(
+    module: torch.nn.Module,
+    checkpoint: Mapping[str, Any],
+    saved: SavedModule,
+    strict: bool,
+    from_masters: Collection[torch.nn.Parameter] = (),
+) -> None:
     """Stage 3's ``load_module_state_dict``: buffers (and the key check) through the module's own
     ``load_state_dict``, each parameter kept at its placeholder; then every block this rank owns copied into its
-    ``ds_tensor`` (cast to its dtype) from the checkpoint's value by name. Every parameter must be released (the
-    engine's checkpoint prologue releases them)."""
+    ``ds_tensor`` (cast to its dtype) from the checkpoint's value by name, except those of ``from_masters``,
+    which the optimizer's load writes from their masters next (not read twice). Every parameter must be released
+    (the engine's checkpoint prologue releases them)."""
+    skipped = set(from_masters)
     current = module.state_dict(keep_vars=True)
     state = {
         name: current[name].data if isinstance(current.get(name), torch.nn.Parameter) else value
@@ -53,6 +61,8 @@ def load_owned(module: torch.nn.Module, checkpoint: Mapping[str, Any], saved: Sa
     module.load_state_dict(state, strict=strict)
     converted: list[tuple[str, ZeroParam]] = list(module.named_parameters())
     for name, param in converted:
+        if param in skipped:
+            continue
         block = param.ts_owned.my_block(param)
         value = saved.value(name) if block is not None else None
         if value is not None:
