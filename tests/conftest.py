@@ -86,7 +86,8 @@ def saved(single_rank_world, tmp_path):
 
 
 # The fast tier is `pytest -m "not multiprocess"`: tests/multiprocess/ holds every test that starts other
-# processes (ranks, launchers, the command line), tests/unit/ the in-process ones.
+# processes (ranks, launchers, the command line) or needs a DeepSpeed op that launch/setup_env.sh does not build
+# (test_host_optimizers.py), tests/unit/ the in-process ones, which JIT-build nothing.
 # launch/test.sh runs two pytest-xdist workers (`-n 2`): a test module runs whole on one of them, so that its
 # module fixtures run once, and test_mpi with test_equivalence, whose session runs it shares.
 SHARED_WORKER = {"tests/multiprocess/test_mpi.py": "tests/multiprocess/test_equivalence.py"}
