@@ -24,6 +24,17 @@ def no_shared_memory_left():
     remove_launch_segments()
 
 
+@pytest.fixture(autouse=True)
+def no_stopped_builds_lock_left():
+    """After each test, the JIT build lock that a build the test stopped left (its ranks killed midway) is removed,
+    as the next ``import ds_tensorshard`` would (ds_tensorshard.build_locks): a later test's run that does not
+    import the plugin would otherwise wait on it forever."""
+    yield
+    from ds_tensorshard.build_locks import remove_stopped_and_say
+
+    remove_stopped_and_say()
+
+
 @pytest.fixture(scope="session")
 def single_rank_world():
     """torch.distributed in the test process itself: one gloo rank."""
