@@ -30,9 +30,14 @@ TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "nosync")
 # (dtype, variant): the default suite's; the rest under -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", ""), ("bf16", "persist0"), ("fp16", "persist0")]
-THREE_RANKS = [("fp32", ""), ("fp32", "persist0")]
+THREE_RANKS = [("fp32", "persist0")]
+LAUNCHED = ("fp32", "dsckpt")  # under the deepspeed launcher
 EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt")] + [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
+# The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
+# its rounding noise goes through Adam into small steps of its own (stock ZeRO-3 against ZeRO-2 at 2 ranks:
+# 5.9e-6, where every other tensor is within 4.9e-6 relative): held to 1e-4 in fp32, as compare.py's ``loose``
+KEY_BIAS = {f"blocks.{i}.qkv.bias": 1e-4 for i in (0, 1)}
 MEMORY_BOUND = 1.10  # the fullest rank's parameters, outside forward, over model/n (issue 46)
 
 
@@ -56,11 +61,16 @@ def loader(out, outputs: list[str]):
     def load(name: str, rank: int) -> dict:
         path = out / f"{name.replace(':', '_').replace('+', '_')}.rank{rank}.pt"
         assert path.exists(), f"{name} rank {rank}: no result; the ranks said:\n" + "\n".join(
-            text[-3000:] for text in outputs
+            quiet(text)[-3000:] for text in outputs
         )
         return torch.load(path)
 
     return load
+
+
+def quiet(text: str) -> str:
+    """A rank's output without torch's deprecation warnings (two lines per collective call)."""
+    return "\n".join(line for line in text.splitlines() if "FutureWarning" not in line and "return func(" not in line)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +81,8 @@ def stage3_runs(tmp_path_factory):
     def runs(n: int):
         if n not in loaders:
             specs = TWO_RANKS if n == 2 else THREE_RANKS
-            cases = [case(d, "stock", v) for d, v in specs] + ["fp32:stock2"] + [case(d, "ts", v) for d, v in specs]
+            stock2 = ["fp32:stock2"] if n == 2 else []
+            cases = [case(d, "stock", v) for d, v in specs] + stock2 + [case(d, "ts", v) for d, v in specs]
             loaders[n] = launch(tmp_path_factory.mktemp(f"stage3_{n}"), n, cases)
         return loaders[n]
 
@@ -83,7 +94,7 @@ def assert_same_training(ours: dict, stock: dict, dtype: str, where: str, exact:
     (``exact``: bit for bit, the norms within 2 fp32 ulps)."""
     assert stock["optimizer_class"] == "DeepSpeedZeroOptimizer_Stage3", where
     assert ours["optimizer_class"] != stock["optimizer_class"], f"{where}: stock's own optimizer ran"
-    assert_run_matches(ours, stock, dtype, where)
+    assert_run_matches(ours, stock, dtype, where, KEY_BIAS if dtype == "fp32" else None)
     assert ours["no_sync_refused"] == stock["no_sync_refused"], where
     torch.testing.assert_close(
         torch.tensor(ours["eval_losses"]), torch.tensor(stock["eval_losses"]), rtol=0, atol=TOLERANCE[dtype]["loss"]
@@ -98,12 +109,13 @@ def assert_same_training(ours: dict, stock: dict, dtype: str, where: str, exact:
 
 
 def assert_pairs(load, n: int, specs, mode: str = "ts", stock_load=None) -> None:
+    """Each (dtype, variant) of ``specs`` in ``mode`` trains as stock on every rank (``stock_load``: stock's runs
+    where another launch made them)."""
     for dtype, variant in specs:
         for rank in range(n):
-            ours, stock = (
-                load(case(dtype, mode, variant), rank),
-                (stock_load or load)(case(dtype, "stock", variant), rank),
-            )
+            ours = load(case(dtype, mode, variant), rank)
+            stock = (stock_load or load)(case(dtype, "stock", variant), rank)
+            assert ours["launcher"] == ("mpi" if mode == "tsmpi" else "ranks"), ours["launcher"]
             assert_same_training(ours, stock, dtype, f"{case(dtype, mode, variant)} rank {rank}", exact=n == 2)
 
 
@@ -178,7 +190,7 @@ def test_stock_zero3_trains_as_stock_zero2(stage3_runs):
     for rank in range(2):
         three, two = load("fp32:stock", rank), load("fp32:stock2", rank)
         assert two["optimizer_class"] == "DeepSpeedZeroOptimizer"
-        assert_run_matches(three, two, "fp32", f"stock ZeRO-3 vs ZeRO-2 rank {rank}")
+        assert_run_matches(three, two, "fp32", f"stock ZeRO-3 vs ZeRO-2 rank {rank}", KEY_BIAS)
 
 
 def test_mpi_transport_trains_as_stock_zero3(stage3_runs, tmp_path):
@@ -186,22 +198,21 @@ def test_mpi_transport_trains_as_stock_zero3(stage3_runs, tmp_path):
     assert_pairs(load, 2, MPI_TWO_RANKS, "tsmpi", stage3_runs(2))
 
 
-def test_deepspeed_launcher_runs_stage3_as_stock(stage3_runs, tmp_path):
-    """``deepspeed --num_gpus 2`` (on the CPUs) running the worker: ts as stock, and each as under plain ranks."""
-    cases = ["fp32:stock:persist0", "fp32:ts:persist0"]
+def test_deepspeed_launcher_runs_stage3_as_stock(tmp_path):
+    """``deepspeed --num_gpus 2`` (on the CPUs; its ranks all-reduce through DeepSpeed's shared-memory op) running
+    the worker, DeepSpeed's own activation checkpointing (``deepspeed.checkpointing.checkpoint``): as stock."""
+    cases = [case(LAUNCHED[0], mode, LAUNCHED[1]) for mode in ("stock", "ts")]
     load = loader(tmp_path, [run_deepspeed_launcher([WORKER, str(tmp_path), *cases], 2, timeout=TIMEOUT_S)])
     for rank in range(2):
         stock, ours = (load(c, rank) for c in cases)
-        assert_same_training(ours, stock, "fp32", f"deepspeed launcher rank {rank}", exact=True)
-        plain = stage3_runs(2)("fp32:stock:persist0", rank)
-        assert stock["losses"] == plain["losses"], rank
-        assert all(torch.equal(v, plain["params"][k]) for k, v in stock["params"].items()), rank
+        assert stock["launcher"] == ours["launcher"] == "deepspeed", rank
+        assert_same_training(ours, stock, "fp32", f"{cases[1]} under the deepspeed launcher, rank {rank}", exact=True)
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_case_trains_as_stock_zero3(tmp_path, n):
-    """Every dtype x variant (DeepSpeed's own checkpointing too), torch and mpi transports, at 2 and 3 ranks."""
+    """Every dtype x variant, both thresholds, torch and mpi transports, at 2 and 3 ranks."""
     load = launch(tmp_path, n, [case(d, m, v) for m in ("stock", "ts") for d, v in EVERY])
     assert_pairs(load, n, EVERY)
     mpi = launch(tmp_path / "mpi", n, [case(d, "tsmpi", v) for d, v in EVERY], mpi=True)

@@ -185,6 +185,7 @@ def run_case(case: str, out_dir: str) -> None:
         skipped_steps=engine.skipped_steps,
         optimizer_class=type(optimizer).__name__,
         group_lrs=[g["lr"] for g in optimizer.param_groups],
+        launcher="deepspeed" if "CROSS_RANK" in os.environ else "mpi" if "PMI_RANK" in os.environ else "ranks",
         seconds=time.monotonic() - started,  # for the record (docs), never asserted
         external={n: len(getattr(m, "_external_params", {})) for n, m in engine.module.named_modules()},
     )
@@ -194,7 +195,7 @@ def run_case(case: str, out_dir: str) -> None:
 
 
 def main() -> None:
-    out_dir, cases = sys.argv[1], sys.argv[2:]
+    out_dir, *cases = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the deepspeed launcher's
     init_worker()  # EMULATED_CUDA=1: on an emulated CUDA device over NCCL's rules (tests/helpers/emulated_cuda.py)
     get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
     for case in cases:
