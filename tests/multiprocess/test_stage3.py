@@ -2,9 +2,10 @@
 
 Every case trains ``zero_optimization.stage: 3`` with the tensorshard block (``ts``: torch transport, ``tsmpi``:
 mpi) and without it (``stock``): tied embedding and head, a frozen and an unused parameter, two param groups,
-GAS 2, clipping 1.0, WarmupLR; each variant once (stage3_worker.FLAGS), at the default persistence threshold and
-at 0. Each world size is launched once (all its cases in one process group, stock's first); a case whose rank
-failed has no result, and loading it fails with the rank's output.
+GAS 2, clipping 1.0, WarmupLR; at the default persistence threshold and at 0 with stock's fetch knobs, and each
+hard case (stage3_worker.FLAGS) gathered and released per module (no prefetch, reuse distance 0). Each world size
+is launched once (all its cases in one process group, stock's first); a case whose rank failed has no result, and
+loading it fails with the rank's output.
 
 Tolerances. At 2 ranks each gradient element is the sum of two values (one order), a gather copies, and the
 update is elementwise: losses and gathered parameters are expected bit-identical to stock's, as stages 1/2 are
@@ -161,10 +162,15 @@ def test_three_ranks_fullest_rank_holds_at_most_its_share(stage3_runs):
 def test_the_cases_exercise_what_they_name(stage3_runs):
     """Stock's side of each case does what its name says, and ds_tensorshard's the same: at the default threshold
     the embedding and each fc/out are gathered per module and the rest persist; at 0 nothing persists and no rank
-    keeps a full tensor after the step; the frozen tensor stays, the unused one moves (AdamW's decay), the root's
-    parameter trains; eval() + no_grad() forwards ran; stock ZeRO-3 refuses engine.no_sync()."""
+    keeps a full tensor after the step; in the hard cases no parameter stays gathered between a forward and its
+    backward (stock's fetch knobs keep all 30 on this model); the frozen tensor stays, the unused one moves
+    (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran; stock ZeRO-3 refuses no_sync."""
     load = stage3_runs(2)
+    assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
+        for dtype, variant in TWO_RANKS:
+            if variant not in ("", "persist0"):
+                assert load(case(dtype, mode, variant), 0)["resident_after_forward"] == 0, (mode, variant)
         default = load(f"fp32:{mode}", 0)
         gathered = {n for n, shape in default["built"]["shapes"].items() if math.prod(shape) > 100_000}
         assert gathered == {"wte.weight", *(f"blocks.{i}.{m}.weight" for i in (0, 1) for m in ("fc", "out"))}, mode
