@@ -4,8 +4,9 @@ Every case trains ``zero_optimization.stage: 3`` with the tensorshard block (``t
 mpi) and without it (``stock``): tied embedding and head, a frozen and an unused parameter, two param groups,
 GAS 2, clipping 1.0, WarmupLR; at the default persistence threshold and at 0 with stock's fetch knobs, and each
 hard case (stage3_worker.FLAGS) gathered and released per module (no prefetch, reuse distance 0). Each world size
-is launched once (all its cases in one process group, stock's first); a case whose rank failed has no result, and
-loading it fails with the rank's output.
+is launched once, all its cases in one process group, stock's first: 2 ranks by the ``deepspeed`` launcher
+(``--num_gpus 2`` on the CPUs), 3 by plain rank processes, the mpi transport by mpiexec. A case whose rank failed
+has no result, and loading it fails with the ranks' output.
 
 Tolerances. At 2 ranks each gradient element is the sum of two values (one order), a gather copies, and the
 update is elementwise: losses and gathered parameters are expected bit-identical to stock's, as stages 1/2 are
@@ -30,9 +31,8 @@ WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "nosync")
 # (dtype, variant): the default suite's; the rest under -m extended
-TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", ""), ("bf16", "persist0"), ("fp16", "persist0")]
+TWO_RANKS = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt")] + [("bf16", "persist0"), ("fp16", "persist0")]
 THREE_RANKS = [("fp32", "persist0")]
-LAUNCHED = ("fp32", "dsckpt")  # under the deepspeed launcher
 EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt")] + [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
 # The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
@@ -46,14 +46,18 @@ def case(dtype: str, mode: str, variant: str = "") -> str:
     return f"{dtype}:{mode}:{variant}" if variant else f"{dtype}:{mode}"
 
 
-def launch(out, n: int, cases: list[str], mpi: bool = False):
-    """Run ``cases`` at ``n`` ranks (``mpi``: under mpiexec) into ``out``; return ``load(case, rank)``."""
+def launch(out, n: int, cases: list[str], by: str = "ranks"):
+    """Run ``cases`` at ``n`` ranks into ``out``, started ``by`` run_ranks, the ``deepspeed`` launcher or ``mpi``
+    (mpiexec); return ``load(case, rank)``."""
     out.mkdir(exist_ok=True)
-    if mpi:
+    args = [WORKER, str(out), *cases]
+    if by == "mpi":
         from tests.multiprocess.test_mpi import mpiexec
 
-        return loader(out, [mpiexec([WORKER, str(out), *cases], n)])
-    return loader(out, run_ranks([WORKER, str(out), *cases], n, timeout=TIMEOUT_S, check=False))
+        return loader(out, [mpiexec(args, n)])
+    if by == "deepspeed":
+        return loader(out, [run_deepspeed_launcher(args, n, timeout=TIMEOUT_S, check=False)])
+    return loader(out, run_ranks(args, n, timeout=TIMEOUT_S, check=False))
 
 
 def loader(out, outputs: list[str]):
@@ -84,7 +88,7 @@ def stage3_runs(tmp_path_factory):
             specs = TWO_RANKS if n == 2 else THREE_RANKS
             stock2 = ["fp32:stock2"] if n == 2 else []
             cases = [case(d, "stock", v) for d, v in specs] + stock2 + [case(d, "ts", v) for d, v in specs]
-            loaders[n] = launch(tmp_path_factory.mktemp(f"stage3_{n}"), n, cases)
+            loaders[n] = launch(tmp_path_factory.mktemp(f"stage3_{n}"), n, cases, "deepspeed" if n == 2 else "ranks")
         return loaders[n]
 
     return runs
@@ -116,13 +120,12 @@ def assert_pairs(load, n: int, specs, mode: str = "ts", stock_load=None) -> None
         for rank in range(n):
             ours = load(case(dtype, mode, variant), rank)
             stock = (stock_load or load)(case(dtype, "stock", variant), rank)
-            assert ours["launcher"] == ("mpi" if mode == "tsmpi" else "ranks"), ours["launcher"]
             assert_same_training(ours, stock, dtype, f"{case(dtype, mode, variant)} rank {rank}", exact=n == 2)
 
 
 def test_two_ranks_train_as_stock_zero3(stage3_runs):
-    """fp32 at both thresholds and each hard case, bf16 at both thresholds, fp16 (its overflowed first step
-    skipped, with the scheduler): bit for bit stock ZeRO-3."""
+    """fp32 at both thresholds and each hard case (DeepSpeed's and torch's checkpointing), bf16, fp16 (its
+    overflowed first step skipped, with the scheduler): bit for bit stock ZeRO-3."""
     assert_pairs(stage3_runs(2), 2, TWO_RANKS)
 
 
@@ -200,19 +203,18 @@ def test_stock_zero3_trains_as_stock_zero2(stage3_runs):
 
 
 def test_mpi_transport_trains_as_stock_zero3(stage3_runs, tmp_path):
-    load = launch(tmp_path, 2, [case(d, "tsmpi", v) for d, v in MPI_TWO_RANKS], mpi=True)
+    load = launch(tmp_path, 2, [case(d, "tsmpi", v) for d, v in MPI_TWO_RANKS], "mpi")
     assert_pairs(load, 2, MPI_TWO_RANKS, "tsmpi", stage3_runs(2))
+    assert all(load(case(d, "tsmpi", v), r)["launcher"] == "mpi" for d, v in MPI_TWO_RANKS for r in range(2))
 
 
-def test_deepspeed_launcher_runs_stage3_as_stock(tmp_path):
-    """``deepspeed --num_gpus 2`` (on the CPUs; its ranks all-reduce through DeepSpeed's shared-memory op) running
-    the worker, DeepSpeed's own activation checkpointing (``deepspeed.checkpointing.checkpoint``): as stock."""
-    cases = [case(LAUNCHED[0], mode, LAUNCHED[1]) for mode in ("stock", "ts")]
-    load = loader(tmp_path, [run_deepspeed_launcher([WORKER, str(tmp_path), *cases], 2, timeout=TIMEOUT_S)])
-    for rank in range(2):
-        stock, ours = (load(c, rank) for c in cases)
-        assert stock["launcher"] == ours["launcher"] == "deepspeed", rank
-        assert_same_training(ours, stock, "fp32", f"{cases[1]} under the deepspeed launcher, rank {rank}", exact=True)
+def test_two_rank_runs_are_deepspeed_launcher_runs(stage3_runs):
+    """The 2-rank cases ran under ``deepspeed --num_gpus 2`` (its ranks all-reduce through DeepSpeed's shared-memory
+    op), the 3-rank ones under plain rank processes."""
+    for n, launcher in ((2, "deepspeed"), (3, "ranks")):
+        for dtype, variant in TWO_RANKS if n == 2 else THREE_RANKS:
+            for mode in ("stock", "ts"):
+                assert all(stage3_runs(n)(case(dtype, mode, variant), r)["launcher"] == launcher for r in range(n))
 
 
 @pytest.mark.extended
@@ -221,5 +223,5 @@ def test_every_case_trains_as_stock_zero3(tmp_path, n):
     """Every dtype x variant, both thresholds, torch and mpi transports, at 2 and 3 ranks."""
     load = launch(tmp_path, n, [case(d, m, v) for m in ("stock", "ts") for d, v in EVERY])
     assert_pairs(load, n, EVERY)
-    mpi = launch(tmp_path / "mpi", n, [case(d, "tsmpi", v) for d, v in EVERY], mpi=True)
+    mpi = launch(tmp_path / "mpi", n, [case(d, "tsmpi", v) for d, v in EVERY], "mpi")
     assert_pairs(mpi, n, EVERY, "tsmpi", load)
