@@ -202,7 +202,6 @@ def run_case(case: str, out_dir: str) -> None:
         group_lrs=[g["lr"] for g in optimizer.param_groups],
         launcher="deepspeed" if "CROSS_RANK" in os.environ else "mpi" if "PMI_RANK" in os.environ else "ranks",
         seconds=time.monotonic() - started,  # for the record (docs), never asserted
-        external={n: len(getattr(m, "_external_params", {})) for n, m in engine.module.named_modules()},
     )
     name = case.replace(":", "_").replace("+", "_")
     torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
