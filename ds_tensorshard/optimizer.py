@@ -71,7 +71,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
     partition_gradients: bool
     clip_grad: float
     overflow: bool
-    _global_grad_norm: float | None
+    _global_grad_norm: float | torch.Tensor | None
     storage = staticmethod(model_block)  # where the model keeps a block the rank owns (stage 3: elsewhere)
 
     def __init__(
@@ -216,7 +216,9 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
         step, before = self._step_of(), self.loss_scale
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
         squares = self.shard.squared_grad_norms()
-        norm, unscaled, bad = norm_over_ranks(squares, step, before, self.comm, self.model_parallel_group, experts)
+        norm, unscaled, bad = norm_over_ranks(
+            squares, step, before, self.comm, self.model_parallel_group, experts, self.rules.sum_dtype
+        )
         self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
         self._decision = decide(
