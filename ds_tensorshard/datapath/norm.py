@@ -184,10 +184,11 @@ def decide(
     """The step's decision from the (loss-scaled) global ``norm`` (on the device; ``unscaled``: ``norm /
     scale_before`` read on the host) and the loss scale before and after its update; ``previous``: the last
     step's reported norm."""
+    reported: float | torch.Tensor | None
     if overflow:
         reported = None if not rules.compute_norm else float("inf") if rules.overflow_norm_is_inf else previous
         return Decision(overflow=True, divisor=None, reported=reported)
-    reported: float | torch.Tensor | None = unscaled if rules.compute_norm else None
+    reported = unscaled if rules.compute_norm else None
     if rules.stage3:
         reported = norm / scale_after  # stock ZeRO-3's: a tensor, over the loss scale after its update
     if rules.clip == 0.0 and scale_after == 1.0:
