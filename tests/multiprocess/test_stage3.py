@@ -231,3 +231,23 @@ def test_every_case_trains_as_stock_zero3(tmp_path, n):
     assert_pairs(load, n, EVERY)
     mpi = launch(tmp_path / "mpi", n, [case(d, "tsmpi", v) for d, v in EVERY], "mpi")
     assert_pairs(mpi, n, EVERY, "tsmpi", load)
+
+
+EMULATED_CASES = [("fp32", "ckpt"), ("bf16", "persist0")]  # CI time: the rest of the data path is the same
+
+
+@pytest.mark.cuda_emulated
+def test_on_emulated_cuda_stage3_trains_as_on_the_cpu(stage3_runs, tmp_path):
+    """Stage 3 on emulated CUDA over NCCL's rules (tests/helpers/emulated_cuda.py): every gather buffer and the
+    owners' tensors on the rank's device, every collective on device tensors, and the CPU run's losses, norms and
+    gathered parameters bit for bit (the same kernels on the same data)."""
+    from tests.helpers.emulated_accelerator import EMULATED
+
+    args = [WORKER, str(tmp_path), *(case(d, "ts", v) for d, v in EMULATED_CASES)]
+    load = loader(tmp_path, run_ranks(args, 2, timeout=TIMEOUT_S, check=False, env=EMULATED))
+    cpu = stage3_runs(2)
+    for dtype, variant in EMULATED_CASES:
+        for rank in range(2):
+            ours, reference = load(case(dtype, "ts", variant), rank), cpu(case(dtype, "ts", variant), rank)
+            assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), (dtype, variant)
+            assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), (dtype, variant)
