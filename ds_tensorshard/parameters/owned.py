@@ -39,14 +39,15 @@ class OwnedGather:
     """What ``all_gather_coalesced`` returns: the batch's collectives in flight (one per dtype); :meth:`wait` makes
     the parameters available (the coordinator calls it from its fetch)."""
 
-    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[ZeroParam], GatherInFlight]]) -> None:
+    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[ZeroParam], GatherInFlight | None]]) -> None:
         self.owned, self.batches, self.complete = owned, batches, False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
         for params, in_flight in self.batches:
-            for param, whole in zip(params, in_flight.wait()):
+            wholes = in_flight.wait() if in_flight is not None else [None] * len(params)
+            for param, whole in zip(params, wholes):
                 param.data = self.owned.own_view(param) if self.owned.keeps_on_device(param) else whole
                 param.ds_status = ZeroParamStatus.AVAILABLE
         self.complete = True
@@ -147,10 +148,13 @@ class OwnedParameters:
         for param in wanted:
             by_dtype.setdefault(param.dtype, []).append(param)
             param.ds_status = ZeroParamStatus.INFLIGHT
-        batches = []
+        batches: list[tuple[list[ZeroParam], GatherInFlight | None]] = []
         for dtype in sorted(by_dtype, key=str):
             batch = by_dtype[dtype]
-            batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
+            if self.comm.world_size == 1 and all(self.keeps_on_device(p) for p in batch):
+                batches.append((batch, None))  # one rank, every tensor its own: nothing moves
+            else:
+                batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
         return OwnedGather(self, batches)
 
     def gather_now(self, params: Iterable[ZeroParam]) -> None:
