@@ -37,7 +37,7 @@ def loader(out: str) -> Callable[[str, int], dict]:
 
 def largest(ours: dict, reference: dict) -> tuple[float, float]:
     loss = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"]))
-    return loss, max((ours["params"][k] - v).abs().max().item() for k, v in reference["params"].items())
+    return loss, max((ours["params"][k].cpu() - v.cpu()).abs().max().item() for k, v in reference["params"].items())
 
 
 def against_stock(out: str, worker: str, pairs: list[tuple[str, str]], dtype_of: Callable[[str], str]) -> str:

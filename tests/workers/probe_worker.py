@@ -265,6 +265,7 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
     model.zero_grad(set_to_none=True)
     config = at_defaults(ds_config("fp32", mode, 2, world), world)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+    tokens = tokens.to(engine.device)  # a model built on the host (a GPU run) is on the device now
     losses = []
     for _ in range(2):  # the second iteration counted (the first makes the optimizer state)
         with OpCounter() as iteration:
