@@ -141,17 +141,15 @@ class NormRules:
     compute_norm: bool  # zero_optimization.compute_grad_norm (DeepSpeed before 0.19.7 always computes it)
     checks_overflow: bool  # fp16/fp32 always; bf16 only with bf16.check_grad_overflow (never through 0.17.0)
     overflow_norm_is_inf: bool  # after an overflow get_global_grad_norm() is inf (0.19.8), else the last norm
-    stage3: bool = False  # stock ZeRO-3: sums in fp64, reports the norm (a tensor) over the loss scale after its update
-
-    @property
-    def sum_dtype(self) -> torch.dtype:
-        """What the ranks' sums of squares are added up in: fp32 as stock ZeRO-1/2, fp64 as stock ZeRO-3."""
-        return torch.float64 if self.stage3 else torch.float32
+    stage3: bool = False  # stock ZeRO-3: reports the norm (a tensor) over the loss scale after its update
+    sum_dtype: torch.dtype = torch.float32  # the ranks' sums added in: fp64 at stage 3 but with ZeRO-Offload
 
     @classmethod
     def of(cls, engine: Any, release: tuple[int, ...]) -> NormRules:
         if engine.zero_optimization_partition_weights():  # stock ZeRO-3: an invalid norm always skips the step
-            return cls(float(engine.gradient_clipping()), True, True, True, stage3=True)
+            offloaded = engine.zero_cpu_offload()  # stock ZeRO-3 then adds the ranks' sums in fp32, as ZeRO-1/2
+            dtype = torch.float32 if offloaded else torch.float64
+            return cls(float(engine.gradient_clipping()), True, True, True, stage3=True, sum_dtype=dtype)
         bf16 = getattr(engine._config, "bfloat16_config", None)
         return cls(
             clip=float(engine.gradient_clipping()),

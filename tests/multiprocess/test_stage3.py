@@ -32,8 +32,14 @@ TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd")
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
+TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt")]  # ZeRO-Offload of the optimizer (HF's zero3_offload)
+# With ZeRO-Offload stock ZeRO-3 rounds each rank's sum of squares (its slices') to fp32 before the sum over ranks,
+# as ds_tensorshard does with its whole tensors': the partials differ, so the norm may be an ulp apart, and with it
+# the clip factor (measured: parameters within 4.2e-7 but the key bias, 7.1e-6; losses 9.5e-7): compare.py's fp32
+# tolerance there, bit for bit in bf16 (its norm and parameters measured identical)
+NOT_BIT_EXACT = {("fp32", "offopt")}
 THREE_RANKS = [("fp32", "persist0")]
-EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync")]
+EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt")]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
 # The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
@@ -122,7 +128,8 @@ def assert_pairs(load, n: int, specs, mode: str = "ts", stock_load=None) -> None
         for rank in range(n):
             ours = load(case(dtype, mode, variant), rank)
             stock = (stock_load or load)(case(dtype, "stock", variant), rank)
-            assert_same_training(ours, stock, dtype, f"{case(dtype, mode, variant)} rank {rank}", exact=n == 2)
+            exact = n == 2 and (dtype, variant) not in NOT_BIT_EXACT
+            assert_same_training(ours, stock, dtype, f"{case(dtype, mode, variant)} rank {rank}", exact)
 
 
 def test_two_ranks_train_as_stock_zero3(stage3_runs):
@@ -175,7 +182,7 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
         for dtype, variant in TWO_RANKS:
-            if variant not in ("", "persist0"):
+            if set(variant.split("+")) - {"", "persist0", "offopt"}:  # the hard cases: gathered per module
                 assert load(case(dtype, mode, variant), 0)["resident_after_forward"] == 0, (mode, variant)
         default = load(f"fp32:{mode}", 0)
         gathered = {n for n, shape in default["built"]["shapes"].items() if math.prod(shape) > 100_000}

@@ -39,8 +39,10 @@ MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 3, 16
 VOCAB, WIDTH = 1024, 160
 # persist0: threshold 0; twice: the last block called twice per forward; root: a trained parameter of the root
 # read in its forward; ckpt/dsckpt: every block under torch's checkpoint (use_reentrant=False) or DeepSpeed's;
-# evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step
-FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync")
+# evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step;
+# offopt: ZeRO-Offload of the optimizer (device cpu, pinned), as HF's zero3_offload.json
+FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt")
+OFFLOAD_FLAGS = {"offopt"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
 
@@ -77,10 +79,12 @@ def parse(case: str) -> tuple[str, str, set[str]]:
 
 def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
     zero: dict = {"stage": 2 if mode == "stock2" else 3, "reduce_bucket_size": 200_000}
-    if flags:
+    if flags - OFFLOAD_FLAGS:
         zero["stage3_param_persistence_threshold"] = 0
-    if flags - {"persist0"}:  # gathered per module, released after use
+    if flags - {"persist0", *OFFLOAD_FLAGS}:  # gathered per module, released after use
         zero.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    if "offopt" in flags:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
