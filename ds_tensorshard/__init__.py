@@ -11,6 +11,7 @@ from ds_tensorshard.versions import check_deepspeed_version, check_torch_version
 check_deepspeed_version(_deepspeed.__version__)
 check_torch_version(_torch.__version__)
 
+from ds_tensorshard.build_locks import remove_stopped_and_say  # noqa: E402
 from ds_tensorshard.config.schema import TensorShardConfig  # noqa: E402
 from ds_tensorshard.datapath.plan import OwnershipPlan, plan_ownership  # noqa: E402
 from ds_tensorshard.engine_hooks import install, installed  # noqa: E402
@@ -35,6 +36,9 @@ from ds_tensorshard.many import initialize_many, step_many  # noqa: E402
 from ds_tensorshard.optimizer import TensorShardOptimizer  # noqa: E402
 
 install()
+# a JIT build of one of DeepSpeed's ops that was stopped midway left its lock, on which every later load of that op
+# would wait forever: remove such locks before this process loads any
+remove_stopped_and_say()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -124,9 +124,13 @@ def _wrap_configure_zero(original):
         from ds_tensorshard.optimizer import TensorShardOptimizer
 
         if self.zero_optimization_partition_weights():
+            from ds_tensorshard.parameters.accessors import attach_stage3
             from ds_tensorshard.stage3 import configure_stage3
 
-            return configure_stage3(self, optimizer, config)
+            sharded = configure_stage3(self, optimizer, config)
+            attach(sharded)
+            attach_stage3(sharded, self.module)  # stage 3's safe_get_* go through param._z3_optimizer
+            return sharded
         sharded = TensorShardOptimizer(optimizer, engine=self, config=config, joint_plan=joint_plan_of(self.module))
         attach(sharded)  # deepspeed.utils.safe_get_full_* / safe_set_full_* on every trained parameter
         return sharded

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_tensorshard.datapath.shapes import numel_of, shape_of
 from ds_tensorshard.errors import TensorAccessError, TensorShardUsageError
 from ds_tensorshard.phase import Phase
 from ds_tensorshard.transports.deadline import wait_or_fail
@@ -92,7 +93,7 @@ class FullTensor:
     def get_full_hp_param(self, optim_state_key: str | None = None) -> torch.Tensor:
         """The whole fp32 master (or the optimizer state ``optim_state_key``), on every rank."""
         optimizer, param, name = self._context()
-        flat = torch.zeros(param.numel() + 2, dtype=torch.float32, device=param.device)
+        flat = torch.zeros(numel_of(param) + 2, dtype=torch.float32, device=optimizer.comm.device)
         master = optimizer.shard.masters.get(param)
         if master is not None:
             block = optimizer.shard.blocks[param]
@@ -112,7 +113,7 @@ class FullTensor:
             raise _no_state(optimizer, name, optim_state_key)
         if flat[NO_KEY] > 0:
             raise _unknown_key(optimizer, name, optim_state_key, master)
-        return flat[:-2].view(param.shape)
+        return flat[:-2].view(shape_of(param))
 
     @torch.no_grad()
     def set_full_hp_param(self, value: torch.Tensor, optim_state_key: str | None = None) -> None:
@@ -146,14 +147,14 @@ class FullTensor:
         """The step's whole mean gradient in fp32, on every rank (an owned tensor that got none: zeros)."""
         optimizer, param, name = self._context()
         shard = _gradient_window(optimizer, name, "safe_get_full_grad")
-        flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        flat = torch.zeros(numel_of(param), dtype=torch.float32, device=optimizer.comm.device)
         if param in shard.masters:
             block = shard.blocks[param]
             flat[block.start : block.stop] = shard.grads.view(param, step=_prepared(optimizer)).reshape(-1)
         where = lambda: f"step {optimizer._step_of()}, safe_get_full_grad of '{name}'"  # noqa: E731
         comm = optimizer.domain_of[param].comm  # the group that owns its blocks
         wait_or_fail(lambda: comm.all_reduce_sum(flat, where), comm, where)
-        return flat.view(param.shape)
+        return flat.view(shape_of(param))
 
     @torch.no_grad()
     def set_full_hp_grad(self, value: torch.Tensor) -> None:
@@ -170,16 +171,16 @@ def _owned_piece(
     optimizer: TensorShardOptimizer, param: torch.nn.Parameter, name: str, value: torch.Tensor, key: str
 ) -> torch.Tensor | None:
     """This rank's block of ``value`` (flat), or None where it owns none; ``value`` must be shaped like ``param``."""
-    if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
+    if not torch.is_tensor(value) or tuple(value.shape) != shape_of(param):
         shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise TensorAccessError(
             f"ds_tensorshard: the {key} of '{name}' is set from a value of shape {shape}; the tensor's shape is "
-            f"{tuple(param.shape)} (pass the whole tensor, the same on every rank)"
+            f"{shape_of(param)} (pass the whole tensor, the same on every rank)"
         )
     block = optimizer.shard.blocks.get(param)
     if block is None:
         return None
-    return value.detach().to(param.device).reshape(-1)[block.start : block.stop]
+    return value.detach().to(optimizer.comm.device).reshape(-1)[block.start : block.stop]
 
 
 def _prepared(optimizer: TensorShardOptimizer) -> bool:

@@ -32,6 +32,7 @@ from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.defaults import layout_for
 from ds_tensorshard.datapath.domains import DENSE, domain_names, open_domains, owned_blocks
 from ds_tensorshard.datapath.early_update import EarlyUpdate, updates_early
+from ds_tensorshard.datapath.engine_reduce import ReduceMethods
 from ds_tensorshard.datapath.flat_choice import flat_wanted
 from ds_tensorshard.datapath.flat_parameters import FlatGather
 from ds_tensorshard.datapath.host import HostMemory
@@ -49,7 +50,7 @@ from ds_tensorshard.phase import Phase
 from ds_tensorshard.versions import installed_release
 
 
-class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, ZeROOptimizer):
+class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, ReduceMethods, ZeROOptimizer):
     """Tensor-granular ZeRO-1/2: each parameter tensor is owned whole by one data-parallel rank.
 
     Built by the engine (through :func:`ds_tensorshard.install`) from the basic optimizer DeepSpeed
@@ -70,7 +71,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
     partition_gradients: bool
     clip_grad: float
     overflow: bool
-    _global_grad_norm: float | None
+    _global_grad_norm: float | torch.Tensor | None
     storage = staticmethod(model_block)  # where the model keeps a block the rank owns (stage 3: elsewhere)
 
     def __init__(
@@ -203,31 +204,6 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         with self.backward_check.through_optimizer():
             self.loss_scaler.backward(loss.float(), retain_graph=retain_graph)
 
-    # -- reduce ---------------------------------------------------------------------------------
-    def reduce_gradients(self, pipeline_parallel: bool = False) -> None:
-        """Stage 1, at the accumulation boundary: average every gradient onto its owner."""
-        self._reduce_to_owners()
-
-    def overlapping_partition_gradients_reduce_epilogue(self) -> None:
-        """Stage 2, after every backward: average onto owners, who accumulate in fp32."""
-        self._reduce_to_owners()
-
-    def finalize_gradient_accumulation_boundary(self) -> None:
-        """Stage 2 with caller-managed accumulation: every micro-step was already reduced; nothing is pending."""
-        self.phase = Phase.REDUCED
-
-    @torch.no_grad()
-    def _reduce_to_owners(self) -> None:
-        for domain in self.domains.values():
-            domain.reducer.finish(wait=not self.reduce_in_background)
-        self.phase = Phase.REDUCED if self._at_boundary() else self.phase
-
-    def _at_boundary(self) -> bool:
-        """The engine's accumulation boundary: a method with a setter since DeepSpeed 0.19.6, a plain
-        attribute the engine assigns before that."""
-        flag = self.is_gradient_accumulation_boundary
-        return bool(flag() if callable(flag) else flag)
-
     # -- norm, update, broadcast ----------------------------------------------------------------
     @torch.no_grad()
     def prepare_step(self, defer_broadcast: bool = False) -> None:
@@ -240,7 +216,9 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, Z
         step, before = self._step_of(), self.loss_scale
         experts = [(g, self.domains[d].comm) for g, d in enumerate(self.group_domains) if d != DENSE]
         squares = self.shard.squared_grad_norms()
-        norm, unscaled, bad = norm_over_ranks(squares, step, before, self.comm, self.model_parallel_group, experts)
+        norm, unscaled, bad = norm_over_ranks(
+            squares, step, before, self.comm, self.model_parallel_group, experts, self.rules.sum_dtype
+        )
         self.overflow = self.rules.checks_overflow and bad
         self.loss_scaler.update_scale(self.overflow)
         self._decision = decide(

@@ -24,14 +24,16 @@ from ds_tensorshard.checkpoints.kept import kept_parameters
 from ds_tensorshard.checkpoints.optimizer_state import rank_file
 from ds_tensorshard.checkpoints.sources import CheckpointSource
 from ds_tensorshard.config import TensorShardConfig
+from ds_tensorshard.config.schema import BLOCK
 from ds_tensorshard.datapath.domains import DENSE, Domain
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import Block
-from ds_tensorshard.errors import CallRefusedAsStock, TensorShardUsageError
+from ds_tensorshard.errors import CallRefusedAsStock, TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.optimizer import TensorShardOptimizer
 from ds_tensorshard.parameters.init_hooks import owning
 from ds_tensorshard.parameters.owned import OwnedParameters
 from ds_tensorshard.parameters.ownership import ParameterPlan, plan_parameters
+from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.phase import Phase
 from ds_tensorshard.transports import open_transport
 from ds_tensorshard.transports.protocol import Transport
@@ -41,11 +43,12 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
     """The engine's ZeRO-3 optimizer: its parameters owned whole (planned, then converted by DeepSpeed's
     ``DeepSpeedZeRoOffload`` with the whole-tensor protocol) and a :class:`TensorShardStage3Optimizer`."""
     trained = [p for group in trainable_groups(optimizer) for p in group]
-    comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
-    plan = plan_parameters(engine.module, optimizer, trained, comm.world_size, config.split_tensors)
-    for name, param in engine.module.named_parameters():
-        param.ts_blocks = plan.kept.blocks_of(name)
-    owned = OwnedParameters(comm, engine.device, _unplanned)
+    owned = _owner_of_built(engine)
+    if owned is None:
+        comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
+        owned = OwnedParameters(comm, engine.device, _unplanned)
+    plan = plan_parameters(engine.module, optimizer, trained, owned.comm.world_size, config.split_tensors)
+    _place(engine.module, plan, owned)
     with owning(owned):
         offload = DeepSpeedZeRoOffload(
             engine.module,
@@ -62,7 +65,42 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
             zero_module_granularity_threshold=engine.zero_module_granularity_threshold(),
             log_trace_cache_warnings=engine.zero_log_trace_cache_warnings(),
         )
-    return TensorShardStage3Optimizer(optimizer, engine, config, plan, offload, comm)
+    return TensorShardStage3Optimizer(optimizer, engine, config, plan, offload, owned.comm)
+
+
+def _owner_of_built(engine: DeepSpeedEngine) -> OwnedParameters | None:
+    """The protocol of the parameters ``deepspeed.zero.Init`` built already (None: it built none); a parameter it
+    sliced as stock does (its config without the block) is refused, naming it."""
+    built = {name: p for name, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
+    sliced = next((name for name, p in built.items() if getattr(p, "ts_owned", None) is None), None)
+    if sliced is not None:
+        raise TensorShardConfigError(
+            f"parameter '{sliced}' was built under deepspeed.zero.Init without the '{BLOCK}' block in its config: it "
+            "is a stock ZeRO-3 slice, not a tensor with an owner; give zero.Init the engine's config"
+        )
+    owners = {id(p.ts_owned): p.ts_owned for p in built.values()}
+    if len(owners) > 1:
+        raise TensorShardConfigError(
+            "the model's parameters were built under deepspeed.zero.Init with different process groups or "
+            "transports; build them under one"
+        )
+    return next(iter(owners.values()), None)
+
+
+def _place(module: torch.nn.Module, plan: ParameterPlan, owned: OwnedParameters) -> None:
+    """Every parameter to its owners under ``plan``: one built already moves there (gathered, then kept by its
+    new owners, in ``ds_id`` order on every rank), the others are converted there."""
+    built: list[tuple[int, ZeroParam, tuple[Block, ...]]] = []
+    param: ZeroParam
+    for name, param in module.named_parameters():
+        blocks = plan.kept.blocks_of(name)
+        if not hasattr(param, "ds_id"):
+            param.ts_blocks = blocks
+        elif param.ts_blocks != blocks:
+            built.append((param.ds_id, param, blocks))
+    built.sort(key=lambda entry: entry[0])
+    moved = [param for _, param, _ in built]
+    owned.move(moved, [blocks for _, _, blocks in built])
 
 
 def _unplanned(param: torch.nn.Parameter) -> tuple[Block, ...]:

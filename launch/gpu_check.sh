@@ -24,7 +24,10 @@ VENV=.venv-gpu
 WHEELS="${GPU_WHEELS:-.gpu-wheels}"
 if [ ! -x "$VENV/bin/python" ]; then
     if python3 -c "import torch, sys; sys.exit(not (torch.version.cuda and torch.cuda.is_available()))" 2>/dev/null
-    then python3 -m venv --system-site-packages "$VENV"  # the machine's CUDA torch
+    then  # the machine's CUDA torch, and its packages, also where that python3 is a venv of its own
+        python3 -m venv --system-site-packages "$VENV"
+        python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
+            > "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/machine_site.pth"
     else python3 -m venv "$VENV" && "$VENV/bin/pip" install -q torch || { say "FAIL: no CUDA torch"; exit 1; }
     fi
 fi
@@ -45,7 +48,10 @@ if ! python -c "from ds_tensorshard.versions import check_torch_version as c; im
     export DS_TENSORSHARD_UNTESTED_TORCH=1
 fi
 
-say "building DeepSpeed's ops for CUDA"
+# this GPU's compute capability only (DeepSpeed's builder cannot read an arch like "9.0a" from the machine's list)
+TORCH_CUDA_ARCH_LIST="$(python -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+export TORCH_CUDA_ARCH_LIST
+say "building DeepSpeed's ops for CUDA (arch $TORCH_CUDA_ARCH_LIST)"
 python - <<'EOF' || { say "FAIL: DeepSpeed's CUDA ops do not build"; exit 1; }
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam

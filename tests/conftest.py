@@ -24,6 +24,17 @@ def no_shared_memory_left():
     remove_launch_segments()
 
 
+@pytest.fixture(autouse=True)
+def no_stopped_builds_lock_left():
+    """After each test, the JIT build lock that a build the test stopped left (its ranks killed midway) is removed,
+    as the next ``import ds_tensorshard`` would (ds_tensorshard.build_locks): a later test's run that does not
+    import the plugin would otherwise wait on it forever."""
+    yield
+    from ds_tensorshard.build_locks import remove_stopped_and_say
+
+    remove_stopped_and_say()
+
+
 @pytest.fixture(scope="session")
 def single_rank_world():
     """torch.distributed in the test process itself: one gloo rank."""
@@ -86,7 +97,8 @@ def saved(single_rank_world, tmp_path):
 
 
 # The fast tier is `pytest -m "not multiprocess"`: tests/multiprocess/ holds every test that starts other
-# processes (ranks, launchers, the command line), tests/unit/ the in-process ones.
+# processes (ranks, launchers, the command line) or needs a DeepSpeed op that launch/setup_env.sh does not build
+# (test_host_optimizers.py), tests/unit/ the in-process ones, which JIT-build nothing.
 # launch/test.sh runs two pytest-xdist workers (`-n 2`): a test module runs whole on one of them, so that its
 # module fixtures run once, and test_mpi with test_equivalence, whose session runs it shares.
 SHARED_WORKER = {"tests/multiprocess/test_mpi.py": "tests/multiprocess/test_equivalence.py"}

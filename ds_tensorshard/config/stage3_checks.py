@@ -47,7 +47,7 @@ def validate_stage3(param_dict: Mapping[str, Any], tensorshard: Mapping[str, Any
             )
     for key, flag in (("offload_param", "cpu_offload_param"), ("offload_optimizer", "cpu_offload")):
         device = _offload_device(zero, key, flag)
-        if device is not None:
+        if device is not None and (key, device) != ("offload_optimizer", "cpu"):
             raise TensorShardConfigError(
                 f"'zero_optimization.{key}' (device {device!r}) is not supported at ZeRO stage 3 with "
                 f"'{BLOCK}.enabled' yet; remove it or disable '{BLOCK}.enabled'"

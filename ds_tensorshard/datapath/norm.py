@@ -1,10 +1,11 @@
-"""The global gradient norm, the overflow check and the unscale-and-clip divisor, as stock ZeRO-1/2.
+"""The global gradient norm, the overflow check and the unscale-and-clip divisor, as stock ZeRO-1/2 (and 3).
 
-Per param group an fp64 sum of squares of the owned gradients (:meth:`OwnedShard.squared_grad_norms`),
-cast to fp32 and summed over the ranks (:func:`sum_over_ranks`, which also checks that every rank is at
-the same step); then :func:`global_norm` and :func:`decide` are pure arithmetic: the groups' norms combined
-in fp32, an invalid group norm makes the whole norm invalid (an overflow, unless bf16 is not checked), and
-the gradients are unscaled and clipped with the loss scale *after* its update, as stock does.
+Per param group an fp64 sum of squares of the owned gradients (:meth:`OwnedShard.squared_grad_norms`), cast
+to fp32 (kept fp64 at stage 3, as stock ZeRO-3) and summed over the ranks (:func:`sum_over_ranks`, which also
+checks that every rank is at the same step); then :func:`global_norm` and :func:`decide` are pure arithmetic:
+the groups' norms combined in that dtype, an invalid group norm makes the whole norm invalid (an overflow,
+unless bf16 is not checked), and the gradients are unscaled and clipped with the loss scale *after* its
+update, as stock does.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ def counted_in_norm(param: torch.nn.Parameter, model_parallel_rank: int) -> bool
 
 
 def sum_over_ranks(
-    squares: torch.Tensor, step: int, comm: Transport, model_parallel_group: Any, describe: Callable[[], str]
+    squares: torch.Tensor,
+    step: int,
+    comm: Transport,
+    model_parallel_group: Any,
+    describe: Callable[[], str],
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partials, steps)``: each group's sum of squares (fp64, this rank's) summed over the data-parallel ranks
-    in fp32, then over the tensor-parallel shards; and the ranks' steps (mod :data:`STEP_CHECK_MODULUS`) summed,
-    for :func:`check_steps`. Both stay on the device: the host reads what it needs once (:func:`read_on_host`)."""
-    stats = torch.cat([squares.float(), torch.tensor([float(step % STEP_CHECK_MODULUS)], device=squares.device)])
+    in ``dtype`` (fp32 as stock ZeRO-1/2, fp64 as stock ZeRO-3), then over the tensor-parallel shards; and the
+    ranks' steps (mod :data:`STEP_CHECK_MODULUS`) summed, for :func:`check_steps`. Both stay on the device: the
+    host reads what it needs once (:func:`read_on_host`)."""
+    count = torch.tensor([float(step % STEP_CHECK_MODULUS)], dtype=dtype, device=squares.device)
+    stats = torch.cat([squares.to(dtype), count])
     wait_or_fail(lambda: comm.all_reduce_sum(stats, describe), comm, describe)
     partials, steps = stats[:-1].clone(), stats[-1]
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
@@ -111,13 +119,14 @@ def norm_over_ranks(
     comm: Transport,
     model_parallel_group: Any,
     experts: list[tuple[int, Transport]],
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, float, bool]:
     """``(norm, norm / scale, invalid)``: each group's ``squares`` (this rank's) summed over the ranks
     (:func:`sum_over_ranks`), the global norm (:func:`global_norm`; ``experts``: each expert group's param group
     index and transport, for :func:`expert_norm_averaging`), the norm on the device and the rest read on the host
     in the step's one host sync (:func:`read_on_host`); every rank checked to be at ``step`` (:func:`check_steps`)."""
     describe = lambda: f"step {step}, global norm all-reduce"  # noqa: E731
-    partials, steps = sum_over_ranks(squares, step, comm, model_parallel_group, describe)
+    partials, steps = sum_over_ranks(squares, step, comm, model_parallel_group, describe, dtype)
     norm, invalid = global_norm(partials, expert_norm_averaging(experts, describe))
     summed, unscaled, bad = read_on_host(steps, norm, invalid, scale)
     check_steps(summed, step, comm)
@@ -132,12 +141,15 @@ class NormRules:
     compute_norm: bool  # zero_optimization.compute_grad_norm (DeepSpeed before 0.19.7 always computes it)
     checks_overflow: bool  # fp16/fp32 always; bf16 only with bf16.check_grad_overflow (never through 0.17.0)
     overflow_norm_is_inf: bool  # after an overflow get_global_grad_norm() is inf (0.19.8), else the last norm
-    reports_after_update: bool = False  # stage 3 reports the norm over the loss scale after its update
+    stage3: bool = False  # stock ZeRO-3: reports the norm (a tensor) over the loss scale after its update
+    sum_dtype: torch.dtype = torch.float32  # the ranks' sums added in: fp64 at stage 3 but with ZeRO-Offload
 
     @classmethod
     def of(cls, engine: Any, release: tuple[int, ...]) -> NormRules:
         if engine.zero_optimization_partition_weights():  # stock ZeRO-3: an invalid norm always skips the step
-            return cls(float(engine.gradient_clipping()), True, True, True, reports_after_update=True)
+            offloaded = engine.zero_cpu_offload()  # stock ZeRO-3 then adds the ranks' sums in fp32, as ZeRO-1/2
+            dtype = torch.float32 if offloaded else torch.float64
+            return cls(float(engine.gradient_clipping()), True, True, True, stage3=True, sum_dtype=dtype)
         bf16 = getattr(engine._config, "bfloat16_config", None)
         return cls(
             clip=float(engine.gradient_clipping()),
@@ -155,7 +167,7 @@ class Decision:
 
     overflow: bool
     divisor: float | torch.Tensor | None
-    reported: float | None
+    reported: float | torch.Tensor | None
 
 
 def decide(
@@ -165,17 +177,18 @@ def decide(
     scale_before: float,
     scale_after: float,
     rules: NormRules,
-    previous: float | None,
+    previous: float | torch.Tensor | None,
 ) -> Decision:
     """The step's decision from the (loss-scaled) global ``norm`` (on the device; ``unscaled``: ``norm /
     scale_before`` read on the host) and the loss scale before and after its update; ``previous``: the last
     step's reported norm."""
+    reported: float | torch.Tensor | None
     if overflow:
         reported = None if not rules.compute_norm else float("inf") if rules.overflow_norm_is_inf else previous
         return Decision(overflow=True, divisor=None, reported=reported)
     reported = unscaled if rules.compute_norm else None
-    if reported is not None and rules.reports_after_update:
-        reported = reported * scale_before / scale_after
+    if rules.stage3:
+        reported = norm / scale_after  # stock ZeRO-3's: a tensor, over the loss scale after its update
     if rules.clip == 0.0 and scale_after == 1.0:
         return Decision(overflow=False, divisor=None, reported=reported)
     divisor: float | torch.Tensor = scale_after

@@ -3,8 +3,9 @@ whole-tensor protocol (:class:`~ds_tensorshard.parameters.owned.OwnedParameters`
 
 ``install()`` wraps (idempotently) four methods of ``deepspeed.zero.Init``; an Init without ownership runs stock's
 untouched. An Init owns its parameters when it is made inside :func:`owning` (the stage-3 engine converting its
-model: DeepSpeed's ``DeepSpeedZeRoOffload`` makes an ``Init(module=...)``), its
-:class:`~ds_tensorshard.parameters.owned.OwnedParameters` then deciding:
+model: DeepSpeed's ``DeepSpeedZeRoOffload`` makes an ``Init(module=...)``), or when its config enables ds_tensorshard
+at stage 3 (a model built under ``deepspeed.zero.Init(config_dict_or_path=...)``, as HF's ``from_pretrained`` does:
+:func:`constructing`); its :class:`~ds_tensorshard.parameters.owned.OwnedParameters` then decides:
 
 - ``_convert_to_deepspeed_param``: stock's attributes, then the owners and the whole-tensor bound methods;
 - ``_partition_param``: the owner keeps its tensor, every rank releases the gathered one;
@@ -15,14 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import inspect
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import hjson
+import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import Init
 
+from ds_tensorshard.config.schema import from_environment, parse_block
 from ds_tensorshard.parameters.owned import OwnedParameters
+from ds_tensorshard.parameters.ownership import ConstructionOwners
+from ds_tensorshard.transports import open_transport
 
 _MARK = "_ds_tensorshard_original"
 _OWNING: list[OwnedParameters] = []  # the innermost owning() context's protocol
+_CONSTRUCTING: dict[tuple[str, int], OwnedParameters] = {}  # users' zero.Init protocols, by transport and group
 
 
 @contextlib.contextmanager
@@ -40,12 +52,48 @@ def owned_by(init: Init) -> OwnedParameters | None:
 
 
 def _wrap_init(original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        self._ts_owned = _OWNING[-1] if _OWNING else None  # before stock's, which converts ``module``
+        # before stock's, which converts ``module``
+        self._ts_owned = _OWNING[-1] if _OWNING else constructing(signature.bind(self, *args, **kwargs).arguments)
         original(self, *args, **kwargs)
 
     return __init__
+
+
+def constructing(arguments: dict[str, Any]) -> OwnedParameters | None:
+    """The protocol of a ``zero.Init`` made by a user (HF's ``from_pretrained``, Accelerate, Lightning) whose config
+    enables ds_tensorshard at stage 3: one per process group and transport, so that the loads of every model built
+    under it are balanced together (:class:`~ds_tensorshard.parameters.ownership.ConstructionOwners`)."""
+    param_dict = _config_of(arguments.get("config_dict_or_path") or arguments.get("config"))
+    if not arguments.get("enabled", True) or param_dict is None:
+        return None
+    if (param_dict.get("zero_optimization") or {}).get("stage") != 3 or from_environment(param_dict):
+        return None
+    config = parse_block(param_dict)
+    if not config.enabled:
+        return None
+    if not dist.is_initialized():
+        dist.init_distributed()
+    group = arguments.get("data_parallel_group") or arguments.get("sequence_data_parallel_group")
+    key = (config.comm_backend, id(group))
+    if key not in _CONSTRUCTING:
+        device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+        comm = open_transport(config.comm_backend, group, config.timeout_s, device)
+        _CONSTRUCTING[key] = OwnedParameters(comm, device, ConstructionOwners(comm.world_size))
+    return _CONSTRUCTING[key]
+
+
+def _config_of(config: Any) -> dict[str, Any] | None:
+    """A ``zero.Init`` config as a dict: given as one, or a JSON/HJSON file's path (as DeepSpeed reads it)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return hjson.load(f)
+    return None
 
 
 def _wrap_convert(original):

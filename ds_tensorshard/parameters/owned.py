@@ -32,20 +32,23 @@ from ds_tensorshard.parameters.gather import GatherInFlight, GatherLayout, start
 from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Transport
 
+MOVE_NUMEL = 50_000_000  # elements gathered at once when tensors move to new owners (stock's prefetch bucket)
+
 
 class OwnedGather:
     """What ``all_gather_coalesced`` returns: the batch's collectives in flight (one per dtype); :meth:`wait` makes
     the parameters available (the coordinator calls it from its fetch)."""
 
-    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[ZeroParam], GatherInFlight]]) -> None:
+    def __init__(self, owned: OwnedParameters, batches: list[tuple[list[ZeroParam], GatherInFlight | None]]) -> None:
         self.owned, self.batches, self.complete = owned, batches, False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
         for params, in_flight in self.batches:
-            for param, whole in zip(params, in_flight.wait()):
-                param.data = self.owned.own_view(param) if self.owned.owns_whole(param) else whole
+            wholes = in_flight.wait() if in_flight is not None else [None] * len(params)
+            for param, whole in zip(params, wholes):
+                param.data = self.owned.own_view(param) if self.owned.keeps_on_device(param) else whole
                 param.ds_status = ZeroParamStatus.AVAILABLE
         self.complete = True
 
@@ -75,9 +78,10 @@ class OwnedParameters:
 
         return all_gather_coalesced
 
-    def owns_whole(self, param: ZeroParam) -> bool:
+    def keeps_on_device(self, param: ZeroParam) -> bool:
+        """Whether this rank keeps ``param`` whole where it computes: the gathered parameter is then its own tensor."""
         blocks = param.ts_blocks
-        return len(blocks) == 1 and blocks[0].rank == self.rank
+        return len(blocks) == 1 and blocks[0].rank == self.rank and param.ds_tensor.device == self.comm.device
 
     def own_view(self, param: ZeroParam) -> torch.Tensor:
         """The owner's tensor shaped as the parameter (where it is kept: the host with ``offload_param``)."""
@@ -113,10 +117,27 @@ class OwnedParameters:
         if block is None:
             return torch.empty(0, dtype=param.dtype, device=self.home)
         flat = param.data.reshape(-1)
-        if block.numel == param.ds_numel and flat.device == self.home and flat.is_contiguous():
+        if block.numel == param.ds_numel and flat.device == self.home and _owns_its_storage(flat):
             return flat  # the tensor itself: nothing copied
         kept = torch.empty(block.numel, dtype=param.dtype, device=self.home)
         return kept.copy_(flat[block.start : block.stop])
+
+    @torch.no_grad()
+    def move(self, params: list[ZeroParam], blocks: list[tuple[Block, ...]]) -> None:
+        """Give ``params`` (released, in ``ds_id`` order on every rank) new owners ``blocks``: each is gathered from
+        its owners now, then kept by its new ones; a batch of at most :data:`MOVE_NUMEL` elements at a time."""
+        start = 0
+        while start < len(params):
+            stop, numel = start, 0
+            while stop < len(params) and (stop == start or numel + params[stop].ds_numel <= MOVE_NUMEL):
+                numel += params[stop].ds_numel
+                stop += 1
+            batch = params[start:stop]
+            self.gather_now(batch)
+            for param, new in zip(batch, blocks[start:stop]):
+                param.ts_blocks, param.ds_tensor = new, None
+                self.keep(param, has_been_updated=False, free_data=True)
+            start = stop
 
     # -- gather ---------------------------------------------------------------------------------------
     def start(self, params: list[ZeroParam]) -> OwnedGather:
@@ -127,10 +148,13 @@ class OwnedParameters:
         for param in wanted:
             by_dtype.setdefault(param.dtype, []).append(param)
             param.ds_status = ZeroParamStatus.INFLIGHT
-        batches = []
+        batches: list[tuple[list[ZeroParam], GatherInFlight | None]] = []
         for dtype in sorted(by_dtype, key=str):
             batch = by_dtype[dtype]
-            batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
+            if self.comm.world_size == 1 and all(self.keeps_on_device(p) for p in batch):
+                batches.append((batch, None))  # one rank, every tensor its own: nothing moves
+            else:
+                batches.append((batch, start_gather(batch, self.layout_of(batch), self.comm)))
         return OwnedGather(self, batches)
 
     def gather_now(self, params: Iterable[ZeroParam]) -> None:
@@ -144,3 +168,8 @@ class OwnedParameters:
         if layout is None:
             layout = self._layouts[key] = GatherLayout.of([p.ts_blocks for p in batch], self.rank)
         return layout
+
+
+def _owns_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the whole of its storage (keeping it keeps nothing else alive)."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()

@@ -9,13 +9,16 @@ largest first onto the rank holding the fewest elements so far (dim-0 blocks whe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ds_tensorshard.datapath.placement import plan_for
-from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
+from ds_tensorshard.datapath.plan import Block, OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.datapath.shapes import shape_of
+
+SPLIT_AT = 100_000  # elements from which zero.Init keeps a tensor in blocks on every rank (stock's persistence size)
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,28 @@ def plan_parameters(
         param_names={id(param): name for param, name in names.items()},
     )
     return ParameterPlan(first, kept)
+
+
+class ConstructionOwners:
+    """Owners chosen as ``deepspeed.zero.Init`` creates the parameters, before the whole model is known: a tensor of
+    at least :data:`SPLIT_AT` elements is kept in dim-0 blocks of whole rows, one on each rank (as stock slices
+    it), a smaller one whole by the rank keeping the fewest elements so far (ties: the lower rank). So each rank
+    keeps about model/n right after construction; ``deepspeed.initialize`` then moves each tensor to its owner under
+    the plan of stages 1/2 (:func:`plan_parameters`), a tensor at a time."""
+
+    def __init__(self, world_size: int) -> None:
+        self.loads = [0] * world_size
+
+    def __call__(self, param: torch.nn.Parameter) -> tuple[Block, ...]:
+        shape, n = shape_of(param), len(self.loads)
+        numel = math.prod(shape)
+        rows = shape[0] if shape else 1
+        if numel < SPLIT_AT or rows < n:
+            rank = min(range(n), key=lambda r: (self.loads[r], r))
+            self.loads[rank] += numel
+            return (Block(rank, 0, numel),)
+        row = numel // rows
+        cuts = [rows * r // n * row for r in range(n + 1)]
+        for rank in range(n):
+            self.loads[rank] += cuts[rank + 1] - cuts[rank]
+        return tuple(Block(rank, cuts[rank], cuts[rank + 1]) for rank in range(n))

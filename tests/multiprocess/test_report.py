@@ -1,4 +1,4 @@
-"""``ds-tensorshard report`` through the command line: JSON for scripts, a stale build lock named."""
+"""``ds-tensorshard report`` through the command line: JSON for scripts, build locks removed or named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.commands.plan_report import plan_report
@@ -22,18 +21,23 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_names_a_stale_lock_and_how_to_remove_it(tmp_path):
+def test_cli_removes_a_stopped_builds_lock_saying_so_and_names_a_running_one(tmp_path):
+    """As every ``import ds_tensorshard`` does (ds_tensorshard.build_locks): the lock a stopped build left (no
+    process holds it) is removed, said on stderr, and the report finds none; a running build's stays, named."""
     lock = tmp_path / "fused_adam" / "lock"
     lock.parent.mkdir()
-    lock.write_text("")
-    os.utime(lock, (time.time() - 600, time.time() - 600))
-    proc = cli(env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"remove it with `rm {lock}`" in proc.stdout
-    assert "FusedAdam        not built yet" in proc.stdout
-    lock.unlink()
+    lock.write_text("")  # and closed, as the kernel closes the files of a builder that is killed
     proc = cli(env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert proc.returncode == 0 and "build locks      none" in proc.stdout, proc.stdout + proc.stderr
+    assert f"ds_tensorshard removed the build lock {lock} (no process holds it" in proc.stderr
+    assert not lock.exists() and "FusedAdam        not built yet" in proc.stdout
+    held = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDONLY)  # as torch's builder holds it during the build
+    try:
+        proc = cli(env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    finally:
+        os.close(held)
+    assert proc.returncode == 0 and lock.exists(), proc.stdout + proc.stderr
+    assert f"build lock       {lock}: a build is running (process {os.getpid()} holds it)" in proc.stdout
 
 
 def test_cli_json_for_scripts(tmp_path):

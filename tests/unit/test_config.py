@@ -351,18 +351,10 @@ def test_offload_turned_off_as_deepspeed_allows_keeps_masters_on_the_device(zero
 OFFLOADED = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
 
 
-@pytest.mark.parametrize(
-    "optimizer,inner",
-    [
-        ({"type": "AdamW", "params": {"lr": 1e-3}}, "DeepSpeedCPUAdam"),
-        # extended: each CPU optimizer is a JIT build of its own (the three: 2.3 min on 2 cores)
-        pytest.param({"type": "Adagrad", "params": {"lr": 1e-2}}, "DeepSpeedCPUAdagrad", marks=pytest.mark.extended),
-        pytest.param({"type": "Lion", "params": {"lr": 1e-4}}, "DeepSpeedCPULion", marks=pytest.mark.extended),
-    ],
-)
-def test_offload_runs_stocks_cpu_optimizer_on_host_masters(optimizer, inner):
-    """As stock's engine chooses (_configure_basic_optimizer): DeepSpeed's CPU optimizer, over owned fp32 masters
-    that are host copies (never the model's own storage), with its state made on the host at the first step."""
+def assert_stocks_cpu_optimizer_steps_on_host_masters(optimizer: dict, inner: str) -> None:
+    """As stock's engine chooses (_configure_basic_optimizer): DeepSpeed's CPU optimizer ``inner`` for the config's
+    ``optimizer``, over owned fp32 masters that are host copies (never the model's own storage), with its state
+    made on the host at the first step."""
     model, engine, opt = initialize(base_config(optimizer=optimizer, zero_optimization=dict(OFFLOADED)))
     assert type(opt.optimizer).__name__ == inner and opt.host is not None
     assert all(m.device.type == "cpu" for m in opt.shard.masters.values()) and not opt.shard.views
@@ -375,6 +367,12 @@ def test_offload_runs_stocks_cpu_optimizer_on_host_masters(optimizer, inner):
     assert all(t.device.type == "cpu" for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     if inner == "DeepSpeedCPUAdam":
         assert opt.optimizer.adam_w_mode  # AdamW: stock's adamw_mode
+
+
+def test_offload_runs_stocks_cpu_optimizer_on_host_masters():
+    """AdamW: DeepSpeedCPUAdam, whose op the install builds (launch/setup_env.sh). DeepSpeed's CPU Adagrad and
+    Lion, each a JIT build of its own that nothing else needs: tests/multiprocess/test_host_optimizers.py."""
+    assert_stocks_cpu_optimizer_steps_on_host_masters({"type": "AdamW", "params": {"lr": 1e-3}}, "DeepSpeedCPUAdam")
 
 
 def test_offloaded_muon_orthogonalizes_on_the_device_and_steps_on_the_host():

@@ -37,7 +37,7 @@ def loader(out: str) -> Callable[[str, int], dict]:
 
 def largest(ours: dict, reference: dict) -> tuple[float, float]:
     loss = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"]))
-    return loss, max((ours["params"][k] - v).abs().max().item() for k, v in reference["params"].items())
+    return loss, max((ours["params"][k].cpu() - v.cpu()).abs().max().item() for k, v in reference["params"].items())
 
 
 def against_stock(out: str, worker: str, pairs: list[tuple[str, str]], dtype_of: Callable[[str], str]) -> str:
@@ -97,6 +97,25 @@ def check_checkpoint(out: str) -> str:
     for name, value in ref["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=ACROSS_WORLDS["fp32"]["param"])
     return f"resumed at step 3, max loss diff {diff:.1e}"
+
+
+def check_stage3(out: str) -> str:
+    """ZeRO stage 3 with owned parameters against stock ZeRO-3 (fp32 at both persistence thresholds, checkpointed
+    blocks, bf16; tests/workers/stage3_worker.py), then the step of a bf16 GPT: seconds, peak memory, ATen
+    operators and host syncs of ``engine.step()`` against stock ZeRO-3's."""
+    variants = [("fp32", ""), ("fp32", "persist0"), ("fp32", "ckpt"), ("bf16", "persist0")]
+    name = lambda d, m, v: f"{d}:{m}:{v}" if v else f"{d}:{m}"  # noqa: E731
+    pairs = [(name(d, "ts", v), name(d, "stock", v)) for d, v in variants]
+    figure = against_stock(out, "stage3_worker.py", pairs, lambda case: case.split(":")[0])
+    env = {**ON_GPU, "PROBE_STAGE": "3", **({"PROBE_WIDTH": "256", "PROBE_LAYERS": "2"} if EMULATED else {})}
+    ours, stock = probe("step", out, "ts", env), probe("step", out, "stock", env)
+    assert ours["host_syncs_per_step"] <= stock["host_syncs_per_step"], (ours, stock)
+    return (
+        f"{figure}; {ours['params'] / 1e9:.2f}B step {ours['step_s'] * 1e3:.1f} ms vs stock "
+        f"{stock['step_s'] * 1e3:.1f} ({ours['step_s'] / stock['step_s']:.2f}x), peak "
+        f"{ours['peak_bytes'] / stock['peak_bytes']:.2f}x; step ops {ours['aten_ops_per_step']} vs "
+        f"{stock['aten_ops_per_step']}, host syncs {ours['host_syncs_per_step']} vs {stock['host_syncs_per_step']}"
+    )
 
 
 def probe(check: str, out: str, mode: str, env: dict | None = None) -> dict:
@@ -200,6 +219,7 @@ CHECKS: dict[str, Callable[[str], str]] = {
     "mpi": check_mpi,
     "step": check_step,
     "lora": check_lora,
+    "stage3": check_stage3,
 }
 
 

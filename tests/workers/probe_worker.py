@@ -8,7 +8,8 @@ reserved, as torch.cuda's caching allocator reports them), where each state went
 ``host-waits``: a 32-bucket model (TinyGPT, 900-element buckets); every wait on a collective during backward is
 recorded with whether it blocks the host and whether it ran inside a gradient hook, and so is every host sync
 (``.item()``, a blocking device-to-host copy, a stream or event synchronize) inside a hook.
-``step``: a GPT of ``PROBE_WIDTH`` x ``PROBE_LAYERS`` (default about 1B parameters) in bf16 at this world size:
+``step``: a GPT of ``PROBE_WIDTH`` x ``PROBE_LAYERS`` (default about 1B parameters) in bf16 at this world size,
+ZeRO stage ``PROBE_STAGE`` (default 2):
 seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
 ``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage 2, both sides at
@@ -193,7 +194,7 @@ def step(rank: int, world: int, mode: str) -> dict:
 
     width, layers = int(os.environ.get("PROBE_WIDTH", 2048)), int(os.environ.get("PROBE_LAYERS", 20))
     vocab, seq = 32000, 512
-    config = at_defaults(ds_config("bf16", mode, 2, world), world)
+    config = at_defaults(ds_config("bf16", mode, int(os.environ.get("PROBE_STAGE", "2")), world), world)
     torch.manual_seed(1234)
     with model_device():
         model = GPT(vocab=vocab, seq=seq, width=width, layers=layers, heads=max(1, width // 128))
@@ -212,7 +213,7 @@ def step(rank: int, world: int, mode: str) -> dict:
             times.append(time.perf_counter() - start)
             counts.append((counter.total, counter.host_syncs))
     return {
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "step_s": sorted(times)[len(times) // 2],
         "aten_ops_per_step": counts[-1][0],
         "host_syncs_per_step": counts[-1][1],
@@ -264,6 +265,7 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
     model.zero_grad(set_to_none=True)
     config = at_defaults(ds_config("fp32", mode, 2, world), world)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
+    tokens = tokens.to(engine.device)  # a model built on the host (a GPU run) is on the device now
     losses = []
     for _ in range(2):  # the second iteration counted (the first makes the optimizer state)
         with OpCounter() as iteration:
