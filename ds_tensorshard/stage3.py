@@ -46,7 +46,10 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
     owned = _owner_of_built(engine)
     if owned is None:
         comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
-        owned = OwnedParameters(comm, engine.device, _unplanned)
+        offload = engine.zero_offload_param()  # device cpu: the owners keep their tensors in host memory
+        on_host = offload is not None and getattr(offload.device, "value", offload.device) == "cpu"
+        home = torch.device("cpu") if on_host else engine.device
+        owned = OwnedParameters(comm, home, _unplanned, bool(on_host and offload.pin_memory))
     plan = plan_parameters(engine.module, optimizer, trained, owned.comm.world_size, config.split_tensors)
     _place(engine.module, plan, owned)
     with owning(owned):

@@ -47,10 +47,11 @@ def validate_stage3(param_dict: Mapping[str, Any], tensorshard: Mapping[str, Any
             )
     for key, flag in (("offload_param", "cpu_offload_param"), ("offload_optimizer", "cpu_offload")):
         device = _offload_device(zero, key, flag)
-        if device is not None and (key, device) != ("offload_optimizer", "cpu"):
+        if device not in (None, "cpu"):
             raise TensorShardConfigError(
                 f"'zero_optimization.{key}' (device {device!r}) is not supported at ZeRO stage 3 with "
-                f"'{BLOCK}.enabled' yet; remove it or disable '{BLOCK}.enabled'"
+                f"'{BLOCK}.enabled': NVMe offload is not built for owned tensors; use device 'cpu', or disable "
+                f"'{BLOCK}.enabled'"
             )
     if (param_dict.get("super_offload") or {}).get("enabled"):
         raise TensorShardConfigError(f"'super_offload' is not supported with '{BLOCK}.enabled'; remove it")

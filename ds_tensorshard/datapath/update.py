@@ -68,11 +68,11 @@ class OwnedShard:
                 own = self.storage(param, block).view(block_shape(param, block))
                 if host is not None:
                     master = host.fetch(own, master_dtype)
-                elif param.dtype == master_dtype:
+                elif param.dtype == master_dtype and own.device == device:
                     master = own  # the model's own tensor (block) serves as the master: no second copy
                     self.views.add(param)
-                else:
-                    master = own.to(dtype=master_dtype, copy=True)
+                else:  # (stage 3's offload_param keeps the model's tensors in host memory)
+                    master = own.to(device=device, dtype=master_dtype, copy=True)
                 self.blocks[param] = block
                 self.masters[param] = master
                 self.group_of[param] = g

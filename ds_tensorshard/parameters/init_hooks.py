@@ -34,7 +34,8 @@ from ds_tensorshard.transports import open_transport
 
 _MARK = "_ds_tensorshard_original"
 _OWNING: list[OwnedParameters] = []  # the innermost owning() context's protocol
-_CONSTRUCTING: dict[tuple[str, int], OwnedParameters] = {}  # users' zero.Init protocols, by transport and group
+# users' zero.Init protocols, by transport, group, host-kept and pinned
+_CONSTRUCTING: dict[tuple[str, int, bool, bool], OwnedParameters] = {}
 
 
 @contextlib.contextmanager
@@ -78,11 +79,15 @@ def constructing(arguments: dict[str, Any]) -> OwnedParameters | None:
     if not dist.is_initialized():
         dist.init_distributed()
     group = arguments.get("data_parallel_group") or arguments.get("sequence_data_parallel_group")
-    key = (config.comm_backend, id(group))
+    offload = (param_dict.get("zero_optimization") or {}).get("offload_param") or {}
+    remote = str(arguments.get("remote_device") or offload.get("device") or "none")  # as stock's Init reads it
+    pinned = bool(arguments.get("pin_memory") or offload.get("pin_memory"))
+    key = (config.comm_backend, id(group), remote == "cpu", pinned)
     if key not in _CONSTRUCTING:
         device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
         comm = open_transport(config.comm_backend, group, config.timeout_s, device)
-        _CONSTRUCTING[key] = OwnedParameters(comm, device, ConstructionOwners(comm.world_size))
+        home = torch.device("cpu") if remote == "cpu" else device
+        _CONSTRUCTING[key] = OwnedParameters(comm, home, ConstructionOwners(comm.world_size), pinned)
     return _CONSTRUCTING[key]
 
 

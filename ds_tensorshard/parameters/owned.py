@@ -57,8 +57,16 @@ class OwnedParameters:
     """The protocol for the parameters of one process group (``comm``'s), whose ``ds_tensor`` live on
     ``home`` (the accelerator, or the host with ``offload_param``)."""
 
-    def __init__(self, comm: Transport, home: torch.device, assign: Callable[[ZeroParam], tuple[Block, ...]]):
+    def __init__(
+        self,
+        comm: Transport,
+        home: torch.device,
+        assign: Callable[[ZeroParam], tuple[Block, ...]],
+        pin_memory: bool = False,
+    ) -> None:
         self.comm, self.home, self.assign = comm, torch.device(home), assign
+        # offload_param keeps the owners' tensors in host memory, page-locked where there is an accelerator
+        self.pinned = pin_memory and self.home.type == "cpu" and comm.device.type != "cpu"
         self.rank = comm.rank
         self._layouts: dict[tuple[int, ...], GatherLayout] = {}
 
@@ -117,9 +125,9 @@ class OwnedParameters:
         if block is None:
             return torch.empty(0, dtype=param.dtype, device=self.home)
         flat = param.data.reshape(-1)
-        if block.numel == param.ds_numel and flat.device == self.home and _owns_its_storage(flat):
+        if block.numel == param.ds_numel and flat.device == self.home and _owns_its_storage(flat) and not self.pinned:
             return flat  # the tensor itself: nothing copied
-        kept = torch.empty(block.numel, dtype=param.dtype, device=self.home)
+        kept = torch.empty(block.numel, dtype=param.dtype, device=self.home, pin_memory=self.pinned)
         return kept.copy_(flat[block.start : block.stop])
 
     @torch.no_grad()

@@ -32,14 +32,15 @@ TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd")
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
-TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt")]  # ZeRO-Offload of the optimizer (HF's zero3_offload)
+# ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
+TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt"), ("fp32", "offparam"), ("bf16", "offparam+offopt")]
 # With ZeRO-Offload stock ZeRO-3 rounds each rank's sum of squares (its slices') to fp32 before the sum over ranks,
 # as ds_tensorshard does with its whole tensors': the partials differ, so the norm may be an ulp apart, and with it
 # the clip factor (measured: parameters within 4.2e-7 but the key bias, 7.1e-6; losses 9.5e-7): compare.py's fp32
 # tolerance there, bit for bit in bf16 (its norm and parameters measured identical)
 NOT_BIT_EXACT = {("fp32", "offopt")}
 THREE_RANKS = [("fp32", "persist0")]
-EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt")]
+EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt")]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
 # The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
@@ -182,7 +183,7 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
         for dtype, variant in TWO_RANKS:
-            if set(variant.split("+")) - {"", "persist0", "offopt"}:  # the hard cases: gathered per module
+            if set(variant.split("+")) - {"", "persist0", "offopt", "offparam"}:  # the hard cases: gathered per module
                 assert load(case(dtype, mode, variant), 0)["resident_after_forward"] == 0, (mode, variant)
         default = load(f"fp32:{mode}", 0)
         gathered = {n for n, shape in default["built"]["shapes"].items() if math.prod(shape) > 100_000}
@@ -240,7 +241,8 @@ def test_every_case_trains_as_stock_zero3(tmp_path, n):
     assert_pairs(mpi, n, EVERY, "tsmpi", load)
 
 
-EMULATED_CASES = [("fp32", "ckpt"), ("bf16", "persist0")]  # CI time: the rest of the data path is the same
+# CI time: the rest of the data path is the same
+EMULATED_CASES = [("fp32", "ckpt"), ("bf16", "persist0"), ("bf16", "offparam+offopt")]
 
 
 @pytest.mark.cuda_emulated
@@ -258,3 +260,6 @@ def test_on_emulated_cuda_stage3_trains_as_on_the_cpu(stage3_runs, tmp_path):
             ours, reference = load(case(dtype, "ts", variant), rank), cpu(case(dtype, "ts", variant), rank)
             assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), (dtype, variant)
             assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), (dtype, variant)
+            # the owners' tensors on the device, or in host memory with offload_param
+            homes = set(ours["built"]["homes"].values())
+            assert homes == ({"cpu"} if "offparam" in variant else {"cuda"}), (dtype, variant, homes)

@@ -55,12 +55,12 @@ def initialize(config, optimizer=None):
 
 BAD = [
     (
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-        "'zero_optimization.offload_param' (device 'cpu') is not supported at ZeRO stage 3",
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+        "'zero_optimization.offload_param' (device 'nvme') is not supported at ZeRO stage 3",
     ),
     (
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-        "'zero_optimization.offload_optimizer' (device 'cpu') is not supported at ZeRO stage 3",
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+        "'zero_optimization.offload_optimizer' (device 'nvme') is not supported at ZeRO stage 3",
     ),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "'zero_optimization.zero_hpz_partition_size'"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "'zero_optimization.zero_quantized_weights'"),

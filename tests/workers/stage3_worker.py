@@ -40,9 +40,9 @@ VOCAB, WIDTH = 1024, 160
 # persist0: threshold 0; twice: the last block called twice per forward; root: a trained parameter of the root
 # read in its forward; ckpt/dsckpt: every block under torch's checkpoint (use_reentrant=False) or DeepSpeed's;
 # evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step;
-# offopt: ZeRO-Offload of the optimizer (device cpu, pinned), as HF's zero3_offload.json
-FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt")
-OFFLOAD_FLAGS = {"offopt"}
+# offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json
+FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam")
+OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
 
@@ -85,6 +85,8 @@ def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
         zero.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
     if "offopt" in flags:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if "offparam" in flags:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
@@ -137,6 +139,7 @@ def holdings(module: nn.Module) -> dict:
         "pieces": pieces,
         "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named.items()},
         "persistent": sorted(n for n, p in named.items() if getattr(p, "ds_persist", False)),
+        "homes": {n: p.ds_tensor.device.type for n, p in named.items() if hasattr(p, "ds_tensor")},
     }
 
 
