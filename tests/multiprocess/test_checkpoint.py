@@ -334,6 +334,12 @@ def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
 STAGE3 = ("--persistence", 0)  # every parameter released between uses
 
 
+def _16bit(folder, gather, save=None):
+    """Options of a run that calls ``save_16bit_model`` into ``folder`` after each save (with
+    ``stage3_gather_16bit_weights_on_model_save`` = ``gather``); ``save``: a save at the last step into it."""
+    return (*(("--save", save, "--save-at", 6) if save else ()), "--save-16bit", folder, "--gather-16bit", gather)
+
+
 @pytest.fixture(scope="module")
 def stage3_runs(tmp_path_factory):
     """ZeRO stage 3 in two launches: at 2 ranks ds_tensorshard's and stock ZeRO-3's runs saved at step 3 and each
@@ -347,10 +353,10 @@ def stage3_runs(tmp_path_factory):
             names,
             train(
                 2,
-                (d / "ref3.pt", "fp32", "ts", 3, *STAGE3, "--save", d / "c3", "--save-at", 3),
-                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3),
-                (d / "stock3to2.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "s3"),
-                (d / "l3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
+                (d / "ref3.pt", "fp32", "ts", 3, *STAGE3, "--save", d / "c3", "--save-at", 3, *_16bit(d / "h", 1)),
+                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3, *_16bit(d / "hs", 1)),
+                (d / "stock3to2.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "s3", *_16bit(d / "hs0", 0, d / "rs")),
+                (d / "l3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3", *_16bit(d / "h0", 0, d / "r")),
                 (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
                 (d / "l23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
                 (d / "l32.pt", "fp32", "ts", 2, "--load", d / "c3"),
@@ -417,11 +423,36 @@ def test_zero_to_fp32_of_a_stage3_save_is_the_gathered_model(stage3_runs, tmp_pa
     expected = {**expected, "head.weight": expected["wte.weight"]}  # tied to the embedding
     ours = get_fp32_state_dict_from_zero_checkpoint(str(save))
     assert ours.keys() == expected.keys() and all(torch.equal(ours[k], v) for k, v in expected.items())
+    stock = get_fp32_state_dict_from_zero_checkpoint(str(stage3_runs["dir"] / "s3"))  # stock ZeRO-3's own save
+    assert list(ours) == list(stock) and all(torch.equal(ours[k], v) for k, v in stock.items())
     command = [sys.executable, str(save / "zero_to_fp32.py"), str(save), str(tmp_path / "out")]
     script = run_in_group(command, timeout=300)  # the script in the save folder, in a fresh interpreter
     assert script.returncode == 0, script.stderr[-3000:]
     written = torch.load(tmp_path / "out" / "pytorch_model.bin")
     assert written.keys() == expected.keys() and all(torch.equal(written[k], v) for k, v in expected.items())
+
+
+def test_save_16bit_model_at_stage3_saves_what_stock_zero3_saves(stage3_runs):
+    """``save_16bit_model`` with ``stage3_gather_16bit_weights_on_model_save``: every rank returns True and rank 0
+    writes stock ZeRO-3's file (the same keys in the same order, dtypes, values bit for bit, the tie kept), the
+    model as gathered; without it every rank returns False and nothing is written, as stock."""
+    d, r = stage3_runs["dir"], stage3_runs
+    saved = {}
+    for mode, folder in (("ts", "h"), ("stock", "hs")):
+        assert torch.load(d / f"{'ref3' if mode == 'ts' else 'stock3'}.pt.16bit.step3") == [True, True], mode
+        assert os.listdir(d / folder / "step3") == ["pytorch_model.bin"], mode
+        saved[mode] = torch.load(d / folder / "step3" / "pytorch_model.bin", weights_only=True)
+    ours, theirs = saved["ts"], saved["stock"]
+    gathered = {**r["saved3"]["params"], "head.weight": r["saved3"]["params"]["wte.weight"]}
+    assert list(ours) == list(theirs) and set(gathered) <= set(ours)
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype and torch.equal(ours[name], value), name
+    assert all(torch.equal(ours[name], value) for name, value in gathered.items())
+    assert ours["head.weight"].data_ptr() == ours["wte.weight"].data_ptr()
+    assert theirs["head.weight"].data_ptr() == theirs["wte.weight"].data_ptr()
+    for out, folder in (("l3", "h0"), ("stock3to2", "hs0")):
+        assert torch.load(d / f"{out}.pt.16bit.step6") == [False, False], out
+        assert not (d / folder).exists(), folder
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 python checkpoint_worker.py OUT DTYPE MODE STAGE STEPS [--load DIR] [--save DIR --save-at K [K...]]
     [--die-during-save-at K] [--own-folder-at K] [--universal] [--split auto|never] [--optimizer NAME]
-    [--moe EXPERTS:EP:K] [--persistence N] [--load-tag TAG] [--freeze-embedding] [+ OUT DTYPE ... [+ ...]]
+    [--moe EXPERTS:EP:K] [--persistence N] [--load-tag TAG] [--freeze-embedding] [--save-16bit DIR --gather-16bit 0|1]
+    [+ OUT DTYPE ... [+ ...]]
 
 Runs separated by ``+`` train one after another in the same process group (one launch for several runs at
 one world size; a later run may load what an earlier one saved).
@@ -12,7 +13,8 @@ batch 2, or 1 where the per-rank share is odd; GAS makes up the rest), and the s
 up step s on every world size, so runs at different world sizes must agree. Rank 0 writes OUT: the
 mean loss of each step run here and the final parameters (at stage 3 gathered as users gather them, with
 ``deepspeed.zero.GatheredParameters``), and after each save OUT.stepK: the parameters saved at step K. With
-``--moe``, the model is moe_worker.py's (a DeepSpeed MoE layer; its param groups), each micro-batch's gating
+``--save-16bit``, each save is followed by ``engine.save_16bit_model(DIR/stepK)``, whose return value on
+every rank rank 0 writes to OUT.16bit.stepK. With ``--moe``, the model is moe_worker.py's (a DeepSpeed MoE layer; its param groups), each micro-batch's gating
 seeded by its first sequence's index so that every world size routes the same tokens alike, and OUT (from every
 rank, ``OUT.rankR``) holds each rank's parameters, keyed by global expert index.
 """
@@ -106,6 +108,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--load-tag", help="the tag --load loads (default: the folder's 'latest')")
     parser.add_argument("--persistence", type=int, help="zero_optimization.stage3_param_persistence_threshold")
     parser.add_argument("--freeze-embedding", action="store_true", help="the (tied) embedding does not train")
+    parser.add_argument("--save-16bit", help="after each save, engine.save_16bit_model into DIR/stepK")
+    parser.add_argument(
+        "--gather-16bit", type=int, help="zero_optimization.stage3_gather_16bit_weights_on_model_save (0 or 1)"
+    )
     return parser.parse_args(argv)
 
 
@@ -124,6 +130,8 @@ def config_of(args: argparse.Namespace, world: int) -> tuple[dict, int, int]:
         config["checkpoint"] = {"load_universal": True}
     if args.persistence is not None:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence
+    if args.gather_16bit is not None:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = bool(args.gather_16bit)
     return config, micro_batch, gas
 
 
@@ -181,6 +189,8 @@ def run(args: argparse.Namespace) -> None:
                 print(f"SAVE FAILED {err}", flush=True)
                 close_process_group()
                 sys.exit(3)
+            if args.save_16bit:
+                save_16bit(engine, args, rank)
             if not args.moe:
                 write_params(engine, f"{args.out}.step{engine.global_steps}", rank)
     if args.moe:
@@ -189,6 +199,16 @@ def run(args: argparse.Namespace) -> None:
         torch.save({"losses": losses, "params": params}, f"{args.out}.rank{rank}")
     else:
         write_params(engine, args.out, rank, losses)
+
+
+def save_16bit(engine, args: argparse.Namespace, rank: int) -> None:
+    """``engine.save_16bit_model`` into SAVE_16BIT/stepK; rank 0 writes every rank's return value."""
+    step = engine.global_steps
+    returned = engine.save_16bit_model(os.path.join(args.save_16bit, f"step{step}"))
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, returned)
+    if rank == 0:
+        torch.save(every, f"{args.out}.16bit.step{step}")
 
 
 def write_params(engine, out: str, rank: int, losses: dict | None = None) -> None:
