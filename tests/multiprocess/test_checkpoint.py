@@ -354,7 +354,8 @@ def stage3_runs(tmp_path_factory):
             train(
                 2,
                 (d / "ref3.pt", "fp32", "ts", 3, *STAGE3, "--save", d / "c3", "--save-at", 3, *_16bit(d / "h", 1)),
-                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3, *_16bit(d / "hs", 1)),
+                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3)
+                + _16bit(d / "hs", 1),
                 (d / "stock3to2.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "s3", *_16bit(d / "hs0", 0, d / "rs")),
                 (d / "l3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3", *_16bit(d / "h0", 0, d / "r")),
                 (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),

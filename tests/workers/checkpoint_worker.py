@@ -14,9 +14,10 @@ up step s on every world size, so runs at different world sizes must agree. Rank
 mean loss of each step run here and the final parameters (at stage 3 gathered as users gather them, with
 ``deepspeed.zero.GatheredParameters``), and after each save OUT.stepK: the parameters saved at step K. With
 ``--save-16bit``, each save is followed by ``engine.save_16bit_model(DIR/stepK)``, whose return value on
-every rank rank 0 writes to OUT.16bit.stepK. With ``--moe``, the model is moe_worker.py's (a DeepSpeed MoE layer; its param groups), each micro-batch's gating
-seeded by its first sequence's index so that every world size routes the same tokens alike, and OUT (from every
-rank, ``OUT.rankR``) holds each rank's parameters, keyed by global expert index.
+every rank rank 0 writes to OUT.16bit.stepK. With ``--moe``, the model is moe_worker.py's (a DeepSpeed
+MoE layer; its param groups), each micro-batch's gating seeded by its first sequence's index so that
+every world size routes the same tokens alike, and OUT (from every rank, ``OUT.rankR``) holds each
+rank's parameters, keyed by global expert index.
 """
 
 from __future__ import annotations
