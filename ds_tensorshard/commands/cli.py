@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
 
-    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2 ds_config for ds_tensorshard")
+    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2/3 ds_config for ds_tensorshard")
     migrate.add_argument("input", help="stock DeepSpeed config JSON")
     migrate.add_argument("-o", "--output", required=True, help="where to write the new config")
     migrate.set_defaults(func=cmd_migrate_config)

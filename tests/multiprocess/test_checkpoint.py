@@ -320,9 +320,10 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     assert validate_engine_config(migrated).enabled
 
 
-def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
+def test_migrate_config_refuses_nvme_at_stage_3_and_other_optimizers(tmp_path):
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
     for config, message in [
-        ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
+        ({"zero_optimization": nvme, "optimizer": {"type": "Adam"}}, "offload_param: refused"),
         ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block"),
     ]:
         (tmp_path / "in.json").write_text(json.dumps(config))
@@ -354,7 +355,18 @@ def stage3_runs(tmp_path_factory):
             train(
                 2,
                 (d / "ref3.pt", "fp32", "ts", 3, *STAGE3, "--save", d / "c3", "--save-at", 3, *_16bit(d / "h", 1)),
-                (d / "stock3.pt", "fp32", "stock", 3, *STAGE3, "--save", d / "s3", "--save-at", 3, *_16bit(d / "hs", 1)),
+                (
+                    d / "stock3.pt",
+                    "fp32",
+                    "stock",
+                    3,
+                    *STAGE3,
+                    "--save",
+                    d / "s3",
+                    "--save-at",
+                    3,
+                    *_16bit(d / "hs", 1),
+                ),
                 (d / "stock3to2.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "s3", *_16bit(d / "hs0", 0, d / "rs")),
                 (d / "l3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3", *_16bit(d / "h0", 0, d / "r")),
                 (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
