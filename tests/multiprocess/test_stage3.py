@@ -263,3 +263,23 @@ def test_on_emulated_cuda_stage3_trains_as_on_the_cpu(stage3_runs, tmp_path):
             # the owners' tensors on the device, or in host memory with offload_param
             homes = set(ours["built"]["homes"].values())
             assert homes == ({"cpu"} if "offparam" in variant else {"cuda"}), (dtype, variant, homes)
+
+
+@pytest.mark.cuda_emulated
+def test_on_emulated_cuda_at_three_ranks_gathers_by_one_all_reduce_as_stock_zero3(stage3_runs, tmp_path):
+    """From 3 ranks on accelerators a batch is gathered by one all-reduce (the others adding -0.0) where the cost
+    model prices it faster than a broadcast per owner (here the batches with several owners; one owner's goes by
+    its broadcast), and training is stock ZeRO-3's at 3 ranks within compare.py's tolerances, as the broadcasts'
+    is on the CPU (where no batch is summed)."""
+    from tests.helpers.emulated_accelerator import EMULATED
+
+    n = 3
+    args = [WORKER, str(tmp_path), *(case(d, "ts", v) for d, v in THREE_RANKS)]
+    load = loader(tmp_path, run_ranks(args, n, timeout=TIMEOUT_S, check=False, env=EMULATED))
+    assert_pairs(load, n, THREE_RANKS, stock_load=stage3_runs(n))
+    for dtype, variant in THREE_RANKS:
+        for rank in range(n):
+            routes = load(case(dtype, "ts", variant), rank)["trained"]["summed_batches"]
+            assert any(routes), (dtype, variant, rank, routes)
+            on_cpu = stage3_runs(n)(case(dtype, "ts", variant), rank)["trained"]["summed_batches"]
+            assert on_cpu == [False] * len(routes), on_cpu

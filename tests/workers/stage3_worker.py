@@ -140,7 +140,16 @@ def holdings(module: nn.Module) -> dict:
         "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named.items()},
         "persistent": sorted(n for n, p in named.items() if getattr(p, "ds_persist", False)),
         "homes": {n: p.ds_tensor.device.type for n, p in named.items() if hasattr(p, "ds_tensor")},
+        # ds_tensorshard's batches gathered so far, by route: one all-reduce (True) or a broadcast per owner
+        "summed_batches": [layout.summed for layout in _owned(named.values())._layouts.values()]
+        if _owned(named.values())
+        else [],
     }
+
+
+def _owned(params) -> object | None:
+    """ds_tensorshard's parameter protocol of the model (None for stock's)."""
+    return next((p.ts_owned for p in params if getattr(p, "ts_owned", None) is not None), None)
 
 
 def train(engine, flags: set[str], rank: int) -> dict:
