@@ -22,6 +22,7 @@ import gc
 import os
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -348,3 +349,17 @@ def init_worker() -> None:
     install_if_asked()
     backend = os.environ.get("DIST_BACKEND", get_accelerator().communication_backend_name())
     deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
+
+
+def serve_cases(run_case: Callable[[str, str], None], out_dir: str, cases: Sequence[str]) -> None:
+    """A case worker's body: :func:`init_worker`, fp16 reported supported (a CPU reports none; the path is
+    exercised anyway), ``run_case(case, out_dir)`` for each case in turn, then the process group closed."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_tensorshard.transports.torch_comm import close_process_group
+
+    init_worker()
+    get_accelerator().is_fp16_supported = lambda: True
+    for case in cases:
+        run_case(case, out_dir)
+    close_process_group()

@@ -22,8 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
-from ds_tensorshard.transports.torch_comm import close_process_group
-from tests.helpers.emulated_accelerator import init_worker, model_device
+from tests.helpers.emulated_accelerator import model_device, serve_cases
 from tests.helpers.tiny_gpt import TinyGPT
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 5, 16
@@ -178,11 +177,7 @@ def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
     if os.environ.get("EQ_STRIPES_BY_ALL_REDUCE") == "1":
         stripes_by_all_reduce()
-    init_worker()  # EMULATED_CUDA=1: on an emulated CUDA device over NCCL's rules (tests/helpers/emulated_cuda.py)
-    get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    for case in cases:
-        run_case(case, out_dir)
-    close_process_group()
+    serve_cases(run_case, out_dir, cases)  # EMULATED_CUDA=1: emulated CUDA under NCCL's rules
 
 
 if __name__ == "__main__":

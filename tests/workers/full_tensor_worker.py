@@ -23,7 +23,6 @@ import sys
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -40,8 +39,7 @@ from deepspeed.utils import (
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.errors import TensorAccessError
-from ds_tensorshard.transports.torch_comm import close_process_group
-from tests.helpers.emulated_accelerator import init_worker, model_device
+from tests.helpers.emulated_accelerator import model_device, serve_cases
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.workers.equivalence_worker import SEQ, batch, ds_config, param_groups
 
@@ -179,11 +177,7 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
-    init_worker()
-    get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    for case in cases:
-        run_case(case, out_dir)
-    close_process_group()
+    serve_cases(run_case, out_dir, cases)  # EMULATED_CUDA=1: emulated CUDA under NCCL's rules
 
 
 if __name__ == "__main__":

@@ -23,13 +23,11 @@ import time
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
-from ds_tensorshard.transports.torch_comm import close_process_group
-from tests.helpers.emulated_accelerator import init_worker, model_device
+from tests.helpers.emulated_accelerator import model_device, serve_cases
 from tests.helpers.tiny_gpt import TinyGPT, checkpointed
 from tests.workers.equivalence_worker import param_groups
 
@@ -226,11 +224,7 @@ def run_case(case: str, out_dir: str) -> None:
 
 def main() -> None:
     out_dir, *cases = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the deepspeed launcher's
-    init_worker()  # EMULATED_CUDA=1: on an emulated CUDA device over NCCL's rules (tests/helpers/emulated_cuda.py)
-    get_accelerator().is_fp16_supported = lambda: True  # CPU reports no fp16; the path is exercised anyway
-    for case in cases:
-        run_case(case, out_dir)
-    close_process_group()
+    serve_cases(run_case, out_dir, cases)  # EMULATED_CUDA=1: emulated CUDA under NCCL's rules
 
 
 if __name__ == "__main__":
