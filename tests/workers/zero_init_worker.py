@@ -1,0 +1,166 @@
+"""One rank of a ``deepspeed.zero.Init`` equivalence run: builds the model under ``zero.Init`` at
+``zero_optimization.stage: 3``, with the tensorshard block (``ts``) and without it (``stock``), then trains it.
+
+Usage (per rank, RANK/WORLD_SIZE/MASTER_* set): python zero_init_worker.py OUT CASE [CASE...]
+CASE = MODE[:VARIANT]; MODE ``stock`` or ``ts``; VARIANT a ``+``-joined set of :data:`VARIANTS`:
+
+- (none): ``with deepspeed.zero.Init(config_dict_or_path=config): model = ZeroInitGPT()``; the model's ``__init__``
+  re-initializes its weights with ``self.apply`` (as HF's models do), which zero.Init gathers and re-partitions;
+- ``modify``: right after construction, ``GatheredParameters(params, modifier_rank=0)``: rank 0 writes new values,
+  the other ranks write garbage (stock broadcasts rank 0's on exit);
+- ``module``: the model built outside, then ``deepspeed.zero.Init(module=model, config_dict_or_path=config)``;
+- ``remote``: ``zero.Init(remote_device="cpu", pin_memory=True, ...)``;
+- ``nested``: a ``zero.Init`` inside another (both with the config), the blocks built in the inner one;
+- ``external``: the model's ``lm_scale`` module reads the embedding's weight in its forward, registered with
+  ``deepspeed.zero.register_external_parameter`` in ``__init__``;
+- ``bf16``: the bf16 config (zero.Init builds the parameters in bf16);
+- ``mixed`` (``ts`` only): built under ``zero.Init`` without the block, then ``deepspeed.initialize`` with it: the
+  refusal's message is recorded (``refused``), nothing trains.
+
+Writes OUT/CASE.rankR.pt (``:`` and ``+`` as ``_``): what each rank holds right after construction (``built``), every
+parameter gathered with ``GatheredParameters`` right after it (``initial``), after the write (``modified``), the
+training's losses and norms (stage3_worker's ``train``), and the parameters gathered after it (``params``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from torch import nn
+
+import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.transports.torch_comm import close_process_group
+from tests.helpers.emulated_accelerator import init_worker
+from tests.workers.stage3_worker import Stage3GPT, ds_config, gathered, holdings, train
+
+VARIANTS = ("modify", "module", "remote", "nested", "external", "bf16", "mixed")
+MODES = ("stock", "ts")
+
+
+class ZeroInitGPT(Stage3GPT):
+    """stage3_worker's model, its weights re-initialized by ``self.apply`` at the end of ``__init__`` (HF's
+    ``post_init``); with ``external``, a :class:`Reader` of the embedding's weight (a parameter of another module),
+    registered as its external parameter."""
+
+    def __init__(self, external: bool = False) -> None:
+        super().__init__(set())
+        self.apply(_init_weights)
+        self.reader = Reader(self.wte) if external else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(tokens)
+        return loss if self.reader is None else loss + self.reader()
+
+
+class Reader(nn.Module):
+    """A module whose forward reads another module's weight (held outside its submodules, as a tied head may)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((getattr(embedding.weight, "ds_shape", embedding.weight.shape)[1],), 1e-3))
+        self.source = [embedding]  # not a submodule
+        deepspeed.zero.register_external_parameter(self, embedding.weight)
+
+    def forward(self) -> torch.Tensor:
+        return (self.source[0].weight[:4] * self.scale).sum()
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def parse(case: str) -> tuple[str, set[str]]:
+    mode, *variant = case.split(":")
+    flags = set(variant[0].split("+")) if variant else set()
+    assert mode in MODES and flags <= set(VARIANTS), case
+    return mode, flags
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Decay for the matrices (by ``ds_shape``: a partitioned parameter's ``.data`` is empty), none for the rest."""
+    named = list(model.named_parameters())
+    decay = [p for _, p in named if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for _, p in named if len(getattr(p, "ds_shape", p.shape)) < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build(flags: set[str], config: dict) -> nn.Module:
+    """The model, built under ``zero.Init`` as the variant says."""
+    torch.manual_seed(1234)
+    external = "external" in flags
+    if "module" in flags:
+        model = ZeroInitGPT(external)
+        deepspeed.zero.Init(module=model, config_dict_or_path=config)
+        return model
+    kwargs: dict = {"remote_device": "cpu", "pin_memory": True} if "remote" in flags else {}
+    with deepspeed.zero.Init(config_dict_or_path=config, **kwargs):
+        inner = deepspeed.zero.Init(config_dict_or_path=config) if "nested" in flags else contextlib.nullcontext()
+        with inner:
+            return ZeroInitGPT(external)
+
+
+@torch.no_grad()
+def modify(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """``GatheredParameters(modifier_rank=0)``: rank 0 halves every parameter and adds 0.01, the others write -1;
+    returns what rank 0 wrote (fp32 CPU)."""
+    named = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(named.values()), modifier_rank=0):
+        for param in named.values():
+            if rank == 0:
+                param.mul_(0.5).add_(0.01)
+            else:
+                param.fill_(-1.0)
+        return {n: p.detach().float().cpu().clone() for n, p in named.items()} if rank == 0 else {}
+
+
+def run_case(case: str, out_dir: str) -> None:
+    mode, flags = parse(case)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    config = ds_config("bf16" if "bf16" in flags else "fp32", mode, {"persist0"}, world)
+    name = os.path.join(out_dir, f"{case.replace(':', '_').replace('+', '_')}.rank{rank}.pt")
+    if "mixed" in flags:
+        model = build(flags, ds_config("fp32", "stock", {"persist0"}, world))
+        try:
+            deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+        except TensorShardConfigError as err:
+            torch.save({"refused": str(err)}, name)
+        return
+    model = build(flags, config)
+    result: dict = {"built": holdings(model), "initial": gathered(model)}
+    result["built_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    result["owned"] = sum(getattr(p, "ts_owned", None) is not None for p in model.parameters())
+    if "modify" in flags:
+        result["written"] = modify(model, rank)
+        result["modified"] = gathered(model)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    result.update(train(engine, set(), rank))
+    result.update(
+        params=gathered(engine.module),
+        skipped_steps=engine.skipped_steps,
+        optimizer_class=type(optimizer).__name__,
+        group_lrs=[g["lr"] for g in optimizer.param_groups],
+    )
+    torch.save(result, name)
+    engine.destroy()
+
+
+def main() -> None:
+    out_dir, *cases = sys.argv[1:]
+    init_worker()
+    get_accelerator().is_fp16_supported = lambda: True  # as stage3_worker
+    for case in cases:
+        run_case(case, out_dir)
+    close_process_group()
+
+
+if __name__ == "__main__":
+    main()
