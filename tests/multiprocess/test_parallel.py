@@ -135,6 +135,7 @@ def assert_resumed(resumed: list[dict], reference: list[dict]) -> None:
             torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=atol, msg=name)
 
 
+@pytest.mark.extended  # CI time: tp_checkpoints is five launches (71 s); TP training itself stays in the default suite
 def test_files_per_model_parallel_rank_with_stocks_names(tp_checkpoints):
     names = sorted(os.listdir(tp_checkpoints["dir"] / "c" / "step3"))
     for mp in (0, 1):
@@ -143,6 +144,7 @@ def test_files_per_model_parallel_rank_with_stocks_names(tp_checkpoints):
             assert f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt" in names
 
 
+@pytest.mark.extended  # CI time, as above
 @pytest.mark.parametrize("resumed", ["2to1", "stock2to1", "zero2to1"])
 def test_resume_at_another_data_parallel_size_with_the_same_tensor_parallel_size(tp_checkpoints, resumed):
     reference = tp_checkpoints["stock" if resumed == "stock2to1" else "ref"]
