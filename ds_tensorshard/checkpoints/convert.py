@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ds_tensorshard.checkpoints.files import read_latest, save_atomic, write_text_atomic
-from ds_tensorshard.checkpoints.rank_file import RankFile, rank_file_name, restore_loss_scaler
+from ds_tensorshard.checkpoints.rank_file import RankFile
 from ds_tensorshard.checkpoints.saved_module import SavedModule, placeholder_names
 from ds_tensorshard.checkpoints.sources import (
     CHECKPOINT_ID_KEY,
@@ -25,19 +25,22 @@ from ds_tensorshard.checkpoints.sources import (
     mp_ranks,
     open_checkpoint,
 )
+from ds_tensorshard.checkpoints.stock_layout import elementwise_state_keys, stock_rank_file, stock_scaler_fields
 from ds_tensorshard.checkpoints.stock_tools import (
     copy_deepspeed_recovery_scripts,
     refuse_universal_conversion,
     without_universal_refusal,
     write_recovery_script,
 )
+from ds_tensorshard.checkpoints.zero3_source import Zero3Source, is_stock_zero3, zero3_mp_ranks
+from ds_tensorshard.checkpoints.zero3_writer import to_zero3
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
 
 
 def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False) -> tuple[str, str]:
     """``(folder, tag)`` of a checkpoint given its save dir (tag from ``latest``) or its tag folder."""
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
+    if tag is None and (os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)) or is_stock_zero3(checkpoint_dir)):
         return checkpoint_dir, os.path.basename(os.path.normpath(checkpoint_dir))
     if tag is None:
         tag = read_latest(checkpoint_dir, universal)
@@ -115,15 +118,6 @@ def _zero_stage(source: CheckpointSource) -> int | None:
     return min(int(stage), 2) if stage in (1, 2, 3) else None
 
 
-def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:
-    return os.path.join(folder, rank_file_name(rank, _is_bf16(source), mp_rank))
-
-
-def _is_bf16(source: CheckpointSource) -> bool:
-    config = source.model_states.get("ds_config") or {}
-    return bool((config.get("bf16") or {}).get("enabled"))
-
-
 def to_tensorshard(
     source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0, progress: Progress | None = None
 ) -> None:
@@ -158,48 +152,8 @@ def to_tensorshard(
             clip_grad=scaler.clip_grad if scaler else 0.0,
             zero_stage=_zero_stage(source),
         )
-        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
+        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, stock_rank_file(folder, rank, source, mp_rank))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
-
-
-def _stock_scaler_fields(source: CheckpointSource) -> dict:
-    """The loss-scaler entries of a stock ZeRO optimizer file (DeepSpeed keeps the scaler object itself)."""
-    scaler = source.scaler
-    if scaler is None or not scaler.loss_scaler:
-        return {
-            "loss_scaler": None,
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "clip_grad": scaler.clip_grad if scaler else 0.0,
-        }
-    return {
-        "loss_scaler": restore_loss_scaler(scaler.loss_scaler, torch.float16),
-        "dynamic_loss_scale": scaler.dynamic_loss_scale,
-        "overflow": scaler.overflow,
-        "clip_grad": scaler.clip_grad,
-    }
-
-
-def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[str]:
-    """The optimizer-state keys of a param group that stock ZeRO can hold as flat slices: tensors shaped like
-    the parameter (Adam's moments, Adagrad's sum, Lion's exp_avg...). Other state (Adafactor's factors) has
-    no flat layout: refused, naming it."""
-    if not names:
-        return []
-    probe = source.tensor(names[0])
-    numel = probe.master.numel()
-    keys = []
-    for key, value in probe.state.items():
-        if not torch.is_tensor(value) or value.dim() == 0:
-            continue
-        if value.numel() != numel:
-            raise CheckpointError(
-                f"optimizer state '{key}' of tensor '{names[0]}' has {value.numel()} elements for a "
-                f"{numel}-element tensor: stock ZeRO keeps state as flat slices of the parameters, "
-                "so this optimizer's checkpoint cannot be converted to it"
-            )
-        keys.append(key)
-    return sorted(keys)
 
 
 def to_zero(
@@ -224,7 +178,7 @@ def to_zero(
         total = sum(int(torch.Size(source.shapes[n]).numel()) for n in names)
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
-    keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
+    keys = [elementwise_state_keys(source, names) for names, _, _ in group_layouts]
     step = None
     for rank in range(world_size):
         partition, step = _zero_partition(source, group_layouts, keys, rank, step)
@@ -234,7 +188,7 @@ def to_zero(
                 "ds_config": source.model_states.get("ds_config"),
                 "ds_version": source.model_states.get("ds_version"),
             },
-            _rank_file(folder, rank, source, mp_rank),
+            stock_rank_file(folder, rank, source, mp_rank),
         )
         if progress is not None:
             progress(rank + 1, world_size)
@@ -288,7 +242,7 @@ def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, w
 
     hyper = source.param_groups or [{} for _ in source.group_names]
     optimizer_state = {
-        **_stock_scaler_fields(source),
+        **stock_scaler_fields(source),
         "base_optimizer_state": {
             "state": partition.state,
             "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
@@ -303,6 +257,16 @@ def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, w
     optimizer_state["ds_version"] = source.model_states.get("ds_version")
     optimizer_state["param_slice_mappings"] = partition.slices
     return optimizer_state
+
+
+def open_sources(folder: str, universal: bool = False) -> tuple[list[int], list[CheckpointSource]]:
+    """The model-parallel ranks of the checkpoint in tag folder ``folder`` and a reader of each (all checked first):
+    ds_tensorshard's, stock ZeRO-1/2's, universal, or stock ZeRO-3's."""
+    if not universal and os.path.isdir(folder) and is_stock_zero3(folder):
+        ranks = zero3_mp_ranks(folder)
+        return ranks, [Zero3Source(folder, m) for m in ranks]
+    ranks = mp_ranks(folder) or [0]
+    return ranks, [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]
 
 
 def convert(
@@ -321,8 +285,7 @@ def convert(
     ``progress(label, unit)``, where given, makes the ``progress(done, total)`` callback of each model-parallel
     rank's conversion (the command line's draws a bar on a terminal); without it, nothing is reported."""
     folder, tag = resolve(src, tag, universal)
-    ranks = mp_ranks(folder) or [0]
-    sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
+    ranks, sources = open_sources(folder, universal)
     if to == "fp32":
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
         stem, ext = os.path.splitext(dst)
@@ -342,6 +305,9 @@ def convert(
         report = progress(label, "tensor" if to == "tensorshard" else "rank file") if progress else None
         if to == "tensorshard":
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
+        elif stage == 3:
+            refuse_moe(source, "--to zero --stage 3")
+            to_zero3(source, dst, tag, world_size, mp_rank, report)
         else:
             to_zero(source, dst, tag, world_size, stage, mp_rank, report)
     if to == "tensorshard":

@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", required=True, choices=["tensorshard", "fp32", "zero"])
     conv.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
     conv.add_argument("--world-size", type=int, default=1, help="ranks the written files are laid out for")
-    conv.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage recorded with --to zero")
+    conv.add_argument(
+        "--stage", type=int, default=2, choices=[1, 2, 3], help="the stock ZeRO stage --to zero writes (its layout)"
+    )
     conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
     conv.set_defaults(func=cmd_convert_checkpoint)
 

@@ -365,11 +365,22 @@ def stage3_runs(tmp_path_factory):
         )
     )
     r["saved3"] = torch.load(d / "ref3.pt.step3")
-    r["resumed_at_3"], r["s2_to_s3_at_3"], r["s3_to_s2_at_3"] = train(
-        3,
-        (d / "m3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
-        (d / "m23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
-        (d / "m32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+    cli("convert-checkpoint", d / "s3", d / "s3_as_ts", "--to", "tensorshard", "--world-size", 2)
+    cli("convert-checkpoint", d / "c3", d / "c3_as_zero3", "--to", "zero", "--stage", 3, "--world-size", 3)
+    names = ("resumed_at_3", "s2_to_s3_at_3", "s3_to_s2_at_3", "stock3_as_ts_at_3", "stock3_as_ts_s2_at_3")
+    r.update(
+        zip(
+            (*names, "as_stock3_at_3"),
+            train(
+                3,
+                (d / "m3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
+                (d / "m23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
+                (d / "m32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+                (d / "ms3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "s3_as_ts"),
+                (d / "ms32.pt", "fp32", "ts", 2, "--load", d / "s3_as_ts"),
+                (d / "mz3.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "c3_as_zero3"),
+            ),
+        )
     )
     return r
 
@@ -393,6 +404,59 @@ def test_stage2_and_stage3_checkpoints_load_at_the_other_stage_bit_for_bit(stage
 @pytest.mark.parametrize("resumed", ["resumed_at_3", "s2_to_s3_at_3", "s3_to_s2_at_3"])
 def test_stage3_checkpoints_resume_at_another_world_size(stage3_runs, resumed):
     assert_continues(stage3_runs[resumed], stage3_runs["ref3"], FP32, first_step=3)
+
+
+@pytest.mark.parametrize(
+    "resumed,reference",
+    [("stock3_as_ts_at_3", "stock3"), ("stock3_as_ts_s2_at_3", "stock3"), ("as_stock3_at_3", "ref3")],
+)
+def test_stock_zero3_checkpoints_convert_both_ways_and_resume_at_another_world_size(stage3_runs, resumed, reference):
+    """Stock ZeRO-3's 2-rank save converted ``--to tensorshard`` resumes at 3 ranks at stage 3 and at stage 2 as
+    stock ZeRO-3's run continues; ds_tensorshard's 2-rank stage-3 save converted ``--to zero --stage 3
+    --world-size 3`` is loaded and continued by **stock** ZeRO-3 at 3 ranks."""
+    assert_continues(stage3_runs[resumed], stage3_runs[reference], FP32, first_step=3)
+
+
+def _stock_zero3_files(folder):
+    """Every entry of a stock ZeRO-3 tag folder's files but the param groups' ``step`` (a 0 that DeepSpeed's
+    Adam keeps per group and never reads back; a conversion does not know it) and the config's tensorshard block."""
+    out = {}
+    for name in sorted(e for e in os.listdir(folder) if e.endswith(".pt")):
+        saved = torch.load(folder / name, weights_only=False)
+        saved["ds_config"].pop("tensorshard", None)  # ds_tensorshard's run had the block, stock's not
+        if "optimizer_state_dict" in saved:
+            for group in saved["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]:
+                group.pop("step", None)
+            saved["optimizer_state_dict"]["loss_scaler"] = vars(saved["optimizer_state_dict"]["loss_scaler"])
+        out[name] = saved
+    return out
+
+
+def _assert_same(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_to_zero_stage3_writes_the_files_stock_zero3_writes_moments_included(stage3_runs, tmp_path):
+    """At 2 ranks ds_tensorshard's stage 3 and stock ZeRO-3 train bit for bit alike, so ``--to zero --stage 3
+    --world-size 2`` of ds_tensorshard's save must be stock's own save: every file, entry, flat partition (masters,
+    both Adam moments, step) and frozen piece equal. Stock's save through ``--to tensorshard`` and back too."""
+    d = stage3_runs["dir"]
+    stock = _stock_zero3_files(d / "s3" / "step3")
+    cli("convert-checkpoint", d / "c3", tmp_path / "ours", "--to", "zero", "--stage", 3, "--world-size", 2)
+    cli("convert-checkpoint", d / "s3_as_ts", tmp_path / "back", "--to", "zero", "--stage", 3, "--world-size", 2)
+    for converted in ("ours", "back"):
+        _assert_same(_stock_zero3_files(tmp_path / converted / "step3"), stock, converted)
 
 
 def test_stage3_save_holds_each_parameter_once_in_stage2s_layout(stage3_runs):
