@@ -78,12 +78,22 @@ def fp32_state_dict(
     for name in source.shapes:
         if name not in out:  # an expert's tensor
             out[name] = source.tensor(name).master.clone()
+    out = in_stock_order(out, source.model_states, buffers)
     for alias, owner in (source.model_states.get("shared_params") or {}).items():
         if owner in out:
             out[alias] = out[owner]
         else:
             out.pop(alias, None)
     return out
+
+
+def in_stock_order(out: dict[str, torch.Tensor], model_states: Mapping, buffers: set[str]) -> dict[str, torch.Tensor]:
+    """``out`` in the order of DeepSpeed's zero_to_fp32: the buffers, the frozen parameters, the trained ones group
+    by group (the module file's ``param_shapes``), then whatever else (an expert's tensors) as it came."""
+    trained = [name for group in model_states.get("param_shapes") or () for name in group]
+    order = [name for name in out if name in buffers] + list(model_states.get("frozen_param_shapes") or ()) + trained
+    first = {name: i for i, name in enumerate(dict.fromkeys(order))}
+    return dict(sorted(out.items(), key=lambda item: first.get(item[0], len(first))))
 
 
 def refuse_moe(source: CheckpointSource, conversion: str) -> None:

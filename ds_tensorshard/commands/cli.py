@@ -21,6 +21,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     network = parse_network(args.network) if args.network else DEFAULT_NETWORK
     bucket_numel = args.bucket_numel or DEFAULT_BUCKET_NUMEL
     options = (bucket_numel, args.split_tensors, args.optimizer, network, args.element_bytes)
+    if args.stage == 3:
+        return _plan_stage3(args, shapes, network)
     if args.expert_parallel is None:
         reports = [plan_report(shapes, n, *options) for n in args.world_size]
     elif experts is None:
@@ -35,6 +37,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     for report in reports:
         print("\n".join(format_report(report) if args.expert_parallel is None else format_moe_report(report)))
+    return 0
+
+
+def _plan_stage3(args: argparse.Namespace, shapes, network) -> int:
+    """``plan --stage 3``: memory per rank and communication per step against stock ZeRO-3."""
+    from ds_tensorshard.commands.plan_stage3 import format_stage3_report, stage3_plan_report
+    from ds_tensorshard.errors import PlanError
+
+    if args.expert_parallel is not None or args.optimizer != "adam":
+        raise PlanError("--stage 3 plans data parallelism with Adam: leave out --expert-parallel and --optimizer")
+    reports = [stage3_plan_report(shapes, n, args.split_tensors, network, args.element_bytes) for n in args.world_size]
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    else:
+        for report in reports:
+            print("\n".join(format_stage3_report(report)))
     return 0
 
 
@@ -77,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
 
-    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2 ds_config for ds_tensorshard")
+    migrate = sub.add_parser("migrate-config", help="rewrite a stock ZeRO-1/2/3 ds_config for ds_tensorshard")
     migrate.add_argument("input", help="stock DeepSpeed config JSON")
     migrate.add_argument("-o", "--output", required=True, help="where to write the new config")
     migrate.set_defaults(func=cmd_migrate_config)
@@ -152,6 +170,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="expert-parallel size of a mixture of experts (--model-config with 'num_local_experts'): the "
         "tensors outside the experts planned over all ranks, each EP rank's experts over its world / EP "
         "expert-data-parallel ranks",
+    )
+    plan.add_argument(
+        "--stage",
+        type=int,
+        choices=[2, 3],
+        default=2,
+        help="3: what each rank keeps and the gathers, reductions and their predicted time per step against "
+        "stock ZeRO-3 at its defaults",
     )
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)

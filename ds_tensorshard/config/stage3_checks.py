@@ -28,9 +28,10 @@ REFUSED_STAGE3_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
-def _offload_device(zero: Mapping[str, Any], key: str, flag: str) -> str | None:
+def offload_device(zero: Mapping[str, Any], key: str, flag: str | None = None) -> str | None:
+    """The device ``zero_optimization.key`` offloads to (None: no offload); ``flag``: its deprecated boolean."""
     block = zero.get(key)
-    if block is None and zero.get(flag) is not None:
+    if block is None and flag is not None and zero.get(flag) is not None:
         return "cpu" if zero.get(flag) else None
     device = (block or {}).get("device") if isinstance(block, Mapping) else None
     return None if device in (None, "none") else str(getattr(device, "value", device))
@@ -46,7 +47,7 @@ def validate_stage3(param_dict: Mapping[str, Any], tensorshard: Mapping[str, Any
                 f"{why}; remove it or disable '{BLOCK}.enabled'"
             )
     for key, flag in (("offload_param", "cpu_offload_param"), ("offload_optimizer", "cpu_offload")):
-        device = _offload_device(zero, key, flag)
+        device = offload_device(zero, key, flag)
         if device not in (None, "cpu"):
             raise TensorShardConfigError(
                 f"'zero_optimization.{key}' (device {device!r}) is not supported at ZeRO stage 3 with "

@@ -160,6 +160,7 @@ def tensorshard_stripes_cost(
     element_bytes: int,
     all_reduce_under: float | None = None,
     flat_numel: int = 0,
+    gather: bool = True,
 ) -> Cost:
     """Stripes of ``bucket_numel`` over a fullest rank of ``fullest`` elements (``build_stripes``: slots of
     ``bucket_numel // n``, the last one the rest): each stripe's ``n x slot`` elements reduced and gathered by
@@ -167,7 +168,7 @@ def tensorshard_stripes_cost(
     small bucket at many ranks is many stripes). ``all_reduce_under``: the stripe size in bytes under which a run
     takes the all-reduces, where it chose on another network than ``net``. ``flat_numel``: flat parameters
     (``bucket_layout: "flat"``), gathered instead by one collective (the same choice) of their storage of that many
-    elements."""
+    elements. ``gather=False``: the reductions alone (stage 3: the next forward gathers instead)."""
     slot = max(1, bucket_numel // n)
     full, rest = divmod(fullest, slot)
 
@@ -176,7 +177,7 @@ def tensorshard_stripes_cost(
             return stripe_collective(size, n, net)
         return all_reduce(size, n, net) if size < all_reduce_under else all_gather(size, n, net)
 
-    ways = 1 if flat_numel else 2
+    ways = 1 if flat_numel or not gather else 2
     per = [(count, collective(n * width * element_bytes)) for count, width in ((full, slot), (int(rest > 0), rest))]
     times = [_norm(n, net)] + ([collective(flat_numel * element_bytes)] if flat_numel else [])
     return Cost(

@@ -10,6 +10,12 @@ tensor); a parameter owned in dim-0 blocks by several ranks is put together from
 Example, two ranks, a batch ``[a (owner 1, 6 elements), b (owner 0, 4), c (owner 1, 2)]``: the buffer is
 ``[b | a | c]``, spans ``(0, 0, 4)`` and ``(1, 4, 8)``; rank 1 copies ``a`` and ``c`` into elements 4-12 and
 rank 0 ``b`` into 0-4; after the two broadcasts ``a`` is ``buffer[4:10]`` on rank 0.
+
+A batch with many owners at many ranks pays one chain latency per owner. Where the α-β model (on its default
+network: :func:`~ds_tensorshard.datapath.stage3_cost.sum_gather_faster`) prices one all-reduce of the whole buffer
+faster, on accelerators, the batch goes that way instead (``GatherLayout.summed``): every rank fills the buffer with
+-0.0 around its own span, and the sum adds -0.0 to each value, which changes no bit of it (a zero's sign kept), in
+any order of summation. CPU ranks keep the broadcasts (``ds-tensorshard plan --stage 3`` prints both).
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ class GatherLayout:
     """Per parameter of the batch, its blocks' ``(offset, numel)`` in the buffer, in storage order."""
     mine: list[tuple[int, int]] = field(default_factory=list)
     """This rank's blocks: ``(parameter index, offset)``, in buffer order (its span, back to back)."""
+    summed: bool = False
+    """Gathered by one all-reduce of the buffer, -0.0 around each rank's span, instead of the broadcasts."""
 
     @classmethod
-    def of(cls, blocks: Sequence[Sequence[Block]], rank: int) -> GatherLayout:
-        """The layout of a batch whose parameters have ``blocks`` (each in storage order), for ``rank``."""
+    def of(cls, blocks: Sequence[Sequence[Block]], rank: int, summed: bool = False) -> GatherLayout:
+        """The layout of a batch whose parameters have ``blocks`` (each in storage order), for ``rank``;
+        ``summed``: gathered by one all-reduce."""
         by_rank: dict[int, list[tuple[int, Block]]] = {}
         for index, held in enumerate(blocks):
             for block in held:
@@ -53,7 +62,7 @@ class GatherLayout:
                 offset += block.numel
             spans.append((owner, start, offset - start))
         pieces = [[(at[(i, b.start)], b.numel) for b in held] for i, held in enumerate(blocks)]
-        return cls(offset, spans, pieces, mine)
+        return cls(offset, spans, pieces, mine, summed)
 
 
 class GatherInFlight:
@@ -79,8 +88,12 @@ class GatherInFlight:
 
 def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:
     """Start gathering ``params`` (one dtype, the batch's order on every rank): this rank's blocks (its
-    ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner."""
-    flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)
+    ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner
+    (``layout.summed``: one all-reduce, the rest of the buffer -0.0)."""
+    if layout.summed:
+        flat = torch.full((layout.numel,), -0.0, dtype=params[0].dtype, device=comm.device)
+    else:
+        flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)
     if layout.mine:
         sources = [params[index].ds_tensor.view(-1) for index, _ in layout.mine]
         first = layout.mine[0][1]
@@ -89,4 +102,6 @@ def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport)
             span.copy_(sources[0])
         else:
             torch.cat([s.to(device=flat.device, dtype=flat.dtype) for s in sources], out=span)
+    if layout.summed:
+        return GatherInFlight(params, layout, flat, comm.start_all_reduce(flat))
     return GatherInFlight(params, layout, flat, comm.start_broadcast_segments(flat, layout.spans))

@@ -7,7 +7,8 @@ that protocol, so DeepSpeed's hooks, trace, prefetch and release run unchanged:
 
 - ``ds_tensor``: on the owner, the tensor itself (flat); on a rank that owns a dim-0 block of it, that block;
   elsewhere an empty placeholder. ``ts_blocks``: who owns which elements (:class:`~ds_tensorshard.datapath.plan.Block`).
-- ``all_gather_coalesced(params)``: one collective per dtype from the owners (:mod:`.gather`); on the owner the
+- ``all_gather_coalesced(params)``: one collective per dtype from the owners (:mod:`.gather`: a broadcast per
+  owner, or on accelerators one all-reduce where the cost model prices it faster); on the owner the
   gathered parameter is its own ``ds_tensor`` again (nothing copied back at release).
 - ``partition()``: releases the gathered tensor on every rank (an empty ``.data``, as stock's); with
   ``has_been_updated`` the owner first keeps the new values.
@@ -28,6 +29,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.datapath.stage3_cost import sum_gather_faster
 from ds_tensorshard.parameters.gather import GatherInFlight, GatherLayout, start_gather
 from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Transport
@@ -174,7 +176,12 @@ class OwnedParameters:
         key = tuple(p.ds_id for p in batch)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = GatherLayout.of([p.ts_blocks for p in batch], self.rank)
+            blocks = [p.ts_blocks for p in batch]
+            layout = GatherLayout.of(blocks, self.rank)
+            if self.comm.device.type != "cpu":  # accelerators: one all-reduce where the model prices it faster
+                spans = [numel * batch[0].element_size() for _, _, numel in layout.spans]
+                layout = GatherLayout.of(blocks, self.rank, sum_gather_faster(spans, self.comm.world_size))
+            self._layouts[key] = layout
         return layout
 
 

@@ -320,9 +320,10 @@ def test_migrate_config_reports_every_key_and_validates(tmp_path):
     assert validate_engine_config(migrated).enabled
 
 
-def test_migrate_config_refuses_stage_3_and_other_optimizers(tmp_path):
+def test_migrate_config_refuses_nvme_at_stage_3_and_other_optimizers(tmp_path):
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}
     for config, message in [
-        ({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}}, "stage' 3"),
+        ({"zero_optimization": nvme, "optimizer": {"type": "Adam"}}, "offload_param: refused"),
         ({"zero_optimization": {"stage": 2}}, "no 'optimizer' block"),
     ]:
         (tmp_path / "in.json").write_text(json.dumps(config))

@@ -1,0 +1,231 @@
+"""Communication per step at ZeRO stage 3, by the α-β model of :mod:`.cost_model`: stock ZeRO-3's against
+ds_tensorshard's (parameters owned whole, or in dim-0 blocks).
+
+Both run DeepSpeed 0.19.8's ``PartitionedParameterCoordinator`` unchanged, so both gather the same batches:
+:func:`fetch_batches` replays it over a module trace (:func:`module_trace`) with its stock bounds
+(``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``, ``stage3_max_reuse_distance``,
+``stage3_param_persistence_threshold``). What differs is the collective per batch:
+
+- stock ZeRO-3: one all-gather per batch of ``n x sum(ceil(numel / n))`` elements (``_all_gather_dtype``);
+  gradients reduce-scattered in buckets of ``reduce_bucket_size`` (``reduce_scatter_coalesced``, each tensor
+  padded to ``n``); after the step one all-gather per persistent parameter (``_allgather_params_coalesced``);
+- ds_tensorshard as :mod:`~ds_tensorshard.parameters.gather` issues it, on both transports: one rooted
+  broadcast per owner present in a batch (``per_owner``), the persistent parameters as one batch after the
+  step; gradients reduced as at stage 2 by the default stripes' reduce-scatters alone (no gather after the step);
+- ``grouped`` (not built): the same broadcasts in one launch per batch (an NCCL group, or an all-gather with
+  per-rank counts), priced as one chain's latency and the batch's bytes.
+
+The trace is an approximation: the modules that hold parameters, in registration order forward and in reverse
+backward; container modules (which hold none, but whose hooks also prefetch) and tied reuses are left out.
+Stock and ds_tensorshard are priced on the same trace, so the ratio does not depend on it much.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ds_tensorshard.datapath.cost_model import (
+    DEFAULT_NETWORK,
+    Cost,
+    Network,
+    Time,
+    all_gather,
+    all_reduce,
+    rooted,
+    stock_buckets,
+)
+from ds_tensorshard.datapath.plan import Block
+
+STOCK_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size
+STOCK_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters
+STOCK_MAX_REUSE = 1_000_000_000  # stage3_max_reuse_distance
+STOCK_PERSISTENCE = 100_000  # stage3_param_persistence_threshold
+
+
+@dataclass(frozen=True)
+class Stage3Bounds:
+    """The coordinator's bounds, in elements (stock's defaults)."""
+
+    prefetch_bucket: int = STOCK_PREFETCH_BUCKET
+    max_live: int = STOCK_MAX_LIVE
+    max_reuse: int = STOCK_MAX_REUSE
+    persistence: int = STOCK_PERSISTENCE
+
+
+def module_trace(names: Sequence[str]) -> list[list[int]]:
+    """One step's modules as indices into ``names``: each parameter's module (its name's prefix) in order of
+    first appearance, then the same modules in reverse (backward)."""
+    modules: dict[str, list[int]] = {}
+    for index, name in enumerate(names):
+        modules.setdefault(name.rpartition(".")[0], []).append(index)
+    forward = list(modules.values())
+    return forward + forward[::-1]
+
+
+def persistent_of(numels: Sequence[int], threshold: int) -> list[int]:
+    """The parameters every rank keeps gathered: those of at most ``threshold`` elements (stock's rule)."""
+    return [i for i, numel in enumerate(numels) if numel <= threshold]
+
+
+class _Reuse:
+    """Whether a parameter recurs within ``max_reuse`` elements of traced modules from a step on (stock's test
+    before a release), by prefix sums of the modules' sizes."""
+
+    def __init__(self, trace: Sequence[Sequence[int]], numels: Sequence[int], max_reuse: int) -> None:
+        self.prefix = [0]
+        self.uses: dict[int, list[int]] = {}
+        for step, params in enumerate(trace):
+            self.prefix.append(self.prefix[-1] + sum(numels[p] for p in params))
+            for p in params:
+                self.uses.setdefault(p, []).append(step)
+        self.max_reuse = max_reuse
+
+    def within(self, param: int, step: int) -> bool:
+        # modules step..last are scanned, each while fewer than max_reuse elements were traversed before it
+        last = bisect.bisect_left(self.prefix, self.prefix[step] + self.max_reuse) - 1
+        uses = self.uses[param]
+        at = bisect.bisect_left(uses, step)
+        return at < len(uses) and uses[at] <= last
+
+
+def fetch_batches(
+    numels: Sequence[int], trace: Sequence[Sequence[int]], bounds: Stage3Bounds = Stage3Bounds()
+) -> list[list[int]]:
+    """The batches one step gathers once the trace is recorded (persistent parameters gathered already): per
+    module, its parameters not available, then the prefetch of the next ones in the trace; after the module, the
+    release of those not persistent and not reused within ``max_reuse`` elements."""
+    persistent = set(persistent_of(numels, bounds.persistence))
+    queue = deque((p, step) for step, params in enumerate(trace) for p in sorted(params))
+    reuse = _Reuse(trace, numels, bounds.max_reuse)
+    available, latest = set(persistent), dict.fromkeys(range(len(numels)), -math.inf)
+    batches: list[list[int]] = []
+    live = 0
+    for step, params in enumerate(trace):
+        wanted = sorted(p for p in params if p not in available)
+        if wanted:
+            batches.append(wanted)
+            available.update(wanted)
+            live += sum(numels[p] for p in wanted)
+        pending, popped = {p for p in params if latest[p] < step}, set[int]()
+        while queue and len(popped) < len(pending):
+            p, used_at = queue.popleft()
+            latest[p] = used_at
+            popped.add(p)
+        limit, prefetch, numel = min(bounds.max_live - live, bounds.prefetch_bucket), [], 0
+        while queue and numel < limit:
+            p, used_at = queue.popleft()
+            latest[p] = max(latest[p], used_at)
+            if p not in available:
+                prefetch.append(p)
+                available.add(p)
+                numel += numels[p]
+        if prefetch:
+            batches.append(sorted(prefetch))
+            live += numel
+        for p in params:
+            if p not in persistent and latest[p] <= step + 1 and not reuse.within(p, step + 1):
+                if p in available:
+                    available.discard(p)
+                    live -= numels[p]
+    return batches
+
+
+def _padded(numel: int, n: int) -> int:
+    return -(-numel // n) * n
+
+
+def stock_zero3_cost(
+    numels: Sequence[int],
+    batches: Sequence[Sequence[int]],
+    n: int,
+    net: Network,
+    element_bytes: int,
+    bounds: Stage3Bounds = Stage3Bounds(),
+    reduce_bucket: int = 500_000_000,
+) -> Cost:
+    """Stock ZeRO-3 per step: an all-gather per batch, a reduce-scatter per gradient bucket, the norm, and an
+    all-gather per persistent parameter after the step."""
+    if n == 1:
+        return Cost(0, 0.0, 0.0)
+    size = lambda params: sum(_padded(numels[p], n) for p in params) * element_bytes  # noqa: E731
+    gathers = [all_gather(size(batch), n, net) for batch in batches]
+    reduces = [all_gather(size(bucket), n, net) for bucket in stock_buckets(list(numels), reduce_bucket)]
+    persistent = [all_gather(size([p]), n, net) for p in persistent_of(numels, bounds.persistence)]
+    return _cost([*gathers, *reduces, all_reduce(4, n, net), *persistent])
+
+
+def sum_gather_faster(spans: Sequence[int], n: int, net: Network = DEFAULT_NETWORK) -> bool:
+    """Whether a batch whose owners hold ``spans`` bytes is gathered faster by one all-reduce of the whole batch
+    (the others adding -0.0: exact) than by a broadcast from each owner, by the model on ``net`` (a run's rule
+    on accelerators, on the default network: it cannot know its own)."""
+    total = sum(spans)
+    return sum(all_reduce(total, n, net)) < sum(sum(rooted(span, n, net)) for span in spans)
+
+
+def tensorshard_gathers(
+    blocks: Sequence[Sequence[Block]],
+    batches: Sequence[Sequence[int]],
+    n: int,
+    net: Network,
+    element_bytes: int,
+    route: str = "default",
+) -> list[Time]:
+    """ds_tensorshard's gathers of ``batches`` (each parameter's ``blocks``). ``route``: ``"per_owner"``, one
+    broadcast per owner present; ``"default"``, that or one all-reduce of the batch as
+    :func:`sum_gather_faster` chooses (what runs on accelerators); ``"grouped"``, one launch of the batch's
+    broadcasts (not built)."""
+    if n == 1:
+        return []
+    times: list[Time] = []
+    for spans in batch_spans(blocks, batches, element_bytes):
+        if route == "grouped":
+            times.append(rooted(sum(spans), n, net))
+        elif route == "default" and sum_gather_faster(spans, n):
+            times.append(all_reduce(sum(spans), n, net))
+        else:
+            times += [rooted(span, n, net) for span in spans]
+    return times
+
+
+def batch_spans(
+    blocks: Sequence[Sequence[Block]], batches: Sequence[Sequence[int]], element_bytes: int
+) -> list[list[int]]:
+    """Per batch, the bytes each owner present holds of it (the spans of
+    :class:`~ds_tensorshard.parameters.gather.GatherLayout`)."""
+    result = []
+    for batch in batches:
+        owned: dict[int, int] = {}
+        for p in batch:
+            for block in blocks[p]:
+                owned[block.rank] = owned.get(block.rank, 0) + block.numel * element_bytes
+        result.append(list(owned.values()))
+    return result
+
+
+def _cost(times: Sequence[Time]) -> Cost:
+    return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
+
+
+def tensorshard_zero3_cost(
+    blocks: Sequence[Sequence[Block]],
+    numels: Sequence[int],
+    batches: Sequence[Sequence[int]],
+    n: int,
+    net: Network,
+    element_bytes: int,
+    reduction: Callable[[], Cost],
+    route: str = "default",
+    bounds: Stage3Bounds = Stage3Bounds(),
+) -> Cost:
+    """ds_tensorshard per step: the gathers of ``batches`` and of the persistent parameters after the step, and
+    ``reduction`` (the gradients' reduction and the norm, as at stage 2 without its gather)."""
+    persistent = persistent_of(numels, bounds.persistence)
+    times = tensorshard_gathers(blocks, [*batches, *([persistent] if persistent else [])], n, net, element_bytes, route)
+    gathered, reduced = _cost(times), reduction()
+    return Cost(
+        gathered.launches + reduced.launches, gathered.seconds + reduced.seconds, gathered.latency_s + reduced.latency_s
+    )
