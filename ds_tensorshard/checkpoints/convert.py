@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ds_tensorshard.checkpoints.consolidate import cast, lazy_state_dict, materialize, write_consolidated
 from ds_tensorshard.checkpoints.files import read_latest, save_atomic, write_text_atomic
 from ds_tensorshard.checkpoints.rank_file import RankFile
 from ds_tensorshard.checkpoints.saved_module import SavedModule, placeholder_names
@@ -57,43 +58,9 @@ ProgressFactory = Callable[[str, str], Progress]  # (label, unit) -> the progres
 def fp32_state_dict(
     source: CheckpointSource, progress: Progress | None = None, exclude_frozen: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
-    tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
-    buffers from the saved module (a stage-3 save's frozen tensors from the rank files that keep them); tied
-    aliases share their owner's tensor. With MoE layers every expert's tensors follow, keyed by global expert
-    index (the saved module holds no expert tensors). ``progress(done, total)`` is called after each module entry."""
-    saved = SavedModule(source)
-    module = source.model_states["module"]
-    buffers = set(source.model_states.get("buffer_names") or ())
-    out: dict[str, torch.Tensor] = {}
-    for done, (name, value) in enumerate(module.items(), 1):
-        if progress is not None:
-            progress(done, len(module))
-        if name in source.shapes:
-            out[name] = source.tensor(name).master.clone()
-        elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
-            value = saved.value(name) if name in saved.placeholders else value
-            if value is not None:
-                out[name] = value.float().clone() if value.is_floating_point() else value.clone()
-    for name in source.shapes:
-        if name not in out:  # an expert's tensor
-            out[name] = source.tensor(name).master.clone()
-    out = in_stock_order(out, source.model_states, buffers)
-    for alias, owner in (source.model_states.get("shared_params") or {}).items():
-        if owner in out:
-            out[alias] = out[owner]
-        else:
-            out.pop(alias, None)
-    return out
-
-
-def in_stock_order(out: dict[str, torch.Tensor], model_states: Mapping, buffers: set[str]) -> dict[str, torch.Tensor]:
-    """``out`` in the order of DeepSpeed's zero_to_fp32: the buffers, the frozen parameters, the trained ones group
-    by group (the module file's ``param_shapes``), then whatever else (an expert's tensors) as it came."""
-    trained = [name for group in model_states.get("param_shapes") or () for name in group]
-    order = [name for name in out if name in buffers] + list(model_states.get("frozen_param_shapes") or ()) + trained
-    first = {name: i for i, name in enumerate(dict.fromkeys(order))}
-    return dict(sorted(out.items(), key=lambda item: first.get(item[0], len(first))))
+    """Full fp32 weights for ``model.load_state_dict`` (:func:`.consolidate.lazy_state_dict`, every tensor read;
+    tied aliases share their owner's tensor). ``progress(done, total)`` is called after each entry."""
+    return materialize(lazy_state_dict(source, exclude_frozen), progress)
 
 
 def refuse_moe(source: CheckpointSource, conversion: str) -> None:
@@ -269,6 +236,41 @@ def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, w
     return optimizer_state
 
 
+class WeightsOptions(NamedTuple):
+    """How ``--to fp32`` writes the weights: ``dtype`` (fp32, bf16, fp16) for floating tensors; with
+    ``safetensors`` or a ``max_shard_size``, into a folder, streamed (:mod:`.consolidate`)."""
+
+    dtype: str = "fp32"
+    safetensors: bool = False
+    max_shard_size: str | None = None
+
+
+def _to_weights(
+    ranks: list[int],
+    sources: list[CheckpointSource],
+    dst: str,
+    weights: WeightsOptions | None,
+    progress: ProgressFactory | None,
+) -> str:
+    """``--to fp32``: one state dict of each model-parallel rank, into ``dst`` (a file, or a folder of files)."""
+    weights = weights or WeightsOptions()
+    folder = weights.safetensors or weights.max_shard_size is not None
+    stem, ext = os.path.splitext(dst)
+    for mp_rank, source in zip(ranks, sources):
+        label = f"convert to {weights.dtype}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
+        report = progress(label, "tensor") if progress else None
+        if folder:
+            out = dst if len(ranks) == 1 else os.path.join(dst, f"mp_rank_{mp_rank:02d}")
+            write_consolidated(
+                lazy_state_dict(source), out, weights.dtype, weights.safetensors, weights.max_shard_size, report
+            )
+            continue
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+        state = materialize(cast(lazy_state_dict(source), weights.dtype), report)
+        save_atomic(state, dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
+    return dst
+
+
 def open_sources(folder: str, universal: bool = False) -> tuple[list[int], list[CheckpointSource]]:
     """The model-parallel ranks of the checkpoint in tag folder ``folder`` and a reader of each (all checked first):
     ds_tensorshard's, stock ZeRO-1/2's, universal, or stock ZeRO-3's."""
@@ -288,24 +290,18 @@ def convert(
     stage: int = 2,
     universal: bool = False,
     progress: ProgressFactory | None = None,
+    weights: WeightsOptions | None = None,
 ) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
-    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
+    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``), or with
+    ``weights`` asking for safetensors or shards one folder per rank (``DST/mp_rank_XX``).
     ``progress(label, unit)``, where given, makes the ``progress(done, total)`` callback of each model-parallel
     rank's conversion (the command line's draws a bar on a terminal); without it, nothing is reported."""
     folder, tag = resolve(src, tag, universal)
     ranks, sources = open_sources(folder, universal)
     if to == "fp32":
-        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        stem, ext = os.path.splitext(dst)
-        for mp_rank, source in zip(ranks, sources):
-            label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
-            save_atomic(
-                fp32_state_dict(source, progress(label, "tensor") if progress else None),
-                dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}",
-            )
-        return dst
+        return _to_weights(ranks, sources, dst, weights, progress)
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
     if to not in ("tensorshard", "zero"):

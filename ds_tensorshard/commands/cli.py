@@ -72,7 +72,7 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
-    from ds_tensorshard.checkpoints.convert import convert
+    from ds_tensorshard.checkpoints.convert import WeightsOptions, convert
     from ds_tensorshard.commands.progress import terminal_callback
 
     written = convert(
@@ -84,6 +84,7 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
         stage=args.stage,
         universal=args.universal,
         progress=terminal_callback,  # a bar per conversion on a terminal, nothing in a log
+        weights=WeightsOptions(args.dtype, args.safetensors, args.max_shard_size),
     )
     print(f"wrote {written}")
     return 0
@@ -110,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage", type=int, default=2, choices=[1, 2, 3], help="the stock ZeRO stage --to zero writes (its layout)"
     )
     conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
+    conv.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="--to fp32: write DST/model.safetensors (or shards), streamed one tensor at a time",
+    )
+    conv.add_argument(
+        "--max-shard-size", help="--to fp32: shards of at most this size into folder DST (e.g. 5GB), with an index"
+    )
+    conv.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="--to fp32: the floating tensors' dtype"
+    )
     conv.set_defaults(func=cmd_convert_checkpoint)
 
     from ds_tensorshard.bench import add_arguments, run

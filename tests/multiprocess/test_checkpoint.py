@@ -418,6 +418,23 @@ def test_stock_zero3_checkpoints_convert_both_ways_and_resume_at_another_world_s
     assert_continues(stage3_runs[resumed], stage3_runs[reference], FP32, first_step=3)
 
 
+@pytest.mark.extended  # CI time: one more 2-rank launch; the 3-rank resumes stay in the default suite
+def test_stock_zero3_conversions_resume_bit_for_bit_at_the_same_world_size(stage3_runs, tmp_path):
+    """At 2 ranks: stock ZeRO-3's save converted ``--to tensorshard`` resumes at stage 3 (and at stage 2) as stock
+    resumes itself, and stock ZeRO-3 resumes ds_tensorshard's save converted ``--to zero --stage 3`` the same way:
+    the same losses and parameters, bit for bit (masters and both Adam moments carried over exactly)."""
+    d, r = stage3_runs["dir"], stage3_runs
+    cli("convert-checkpoint", d / "c3", tmp_path / "as_zero3", "--to", "zero", "--stage", 3, "--world-size", 2)
+    runs = train(
+        2,
+        (tmp_path / "ts.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "s3_as_ts"),
+        (tmp_path / "ts2.pt", "fp32", "ts", 2, "--load", d / "s3_as_ts"),
+        (tmp_path / "stock.pt", "fp32", "stock", 3, *STAGE3, "--load", tmp_path / "as_zero3"),
+    )
+    for run, where in zip(runs, ("stock's, at stage 3", "stock's, at stage 2", "ours, by stock")):
+        assert_same_run(run, r["stock_resumed"], where)
+
+
 def _stock_zero3_files(folder):
     """Every entry of a stock ZeRO-3 tag folder's files but the param groups' ``step`` (a 0 that DeepSpeed's
     Adam keeps per group and never reads back; a conversion does not know it) and the config's tensorshard block."""
@@ -458,6 +475,26 @@ def test_to_zero_stage3_writes_the_files_stock_zero3_writes_moments_included(sta
     cli("convert-checkpoint", d / "s3_as_ts", tmp_path / "back", "--to", "zero", "--stage", 3, "--world-size", 2)
     for converted in ("ours", "back"):
         _assert_same(_stock_zero3_files(tmp_path / converted / "step3"), stock, converted)
+
+
+def test_fp32_export_of_stock_zero3_and_of_a_stage3_save_as_sharded_safetensors_equals_zero_to_fp32(
+    stage3_runs, tmp_path
+):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    d = stage3_runs["dir"]
+    stock = get_fp32_state_dict_from_zero_checkpoint(str(d / "s3"))  # DeepSpeed's code on stock's folder
+    for save in ("s3", "c3"):
+        cli(
+            "convert-checkpoint", d / save, tmp_path / save, "--to", "fp32", "--safetensors", "--max-shard-size", "40KB"
+        )
+        index = json.loads((tmp_path / save / "model.safetensors.index.json").read_text())
+        ours: dict = {}
+        for name in sorted(set(index["weight_map"].values())):
+            ours.update(load_file(tmp_path / save / name))
+        assert len(set(index["weight_map"].values())) > 1 and list(index["weight_map"]) == sorted(stock)
+        assert ours.keys() == stock.keys() and all(torch.equal(ours[k], v) for k, v in stock.items()), save
 
 
 def test_stage3_save_holds_each_parameter_once_in_stage2s_layout(stage3_runs):
