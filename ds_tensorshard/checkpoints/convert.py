@@ -73,9 +73,10 @@ def refuse_moe(source: CheckpointSource, conversion: str) -> None:
 
 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
-    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given) or stock ZeRO's (None)."""
+    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given; a stage-3 source's placeholders
+    kept, its untrained parameters in the rank files, see :func:`_kept_by_rank`) or stock ZeRO-1/2's (None)."""
     states = without_universal_refusal({k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY})
-    if placeholder_names(states):  # a stage-3 save: the module whole, as stages 1/2 and stock ZeRO keep it
+    if checkpoint_id is None and placeholder_names(states):  # stock ZeRO-1/2 keeps the module whole
         states["module"] = SavedModule(source).completed()
     states["dp_world_size"] = world_size
     states["param_shapes"] = [
@@ -95,6 +96,26 @@ def _zero_stage(source: CheckpointSource) -> int | None:
     return min(int(stage), 2) if stage in (1, 2, 3) else None
 
 
+def _kept_by_rank(source: CheckpointSource, world_size: int) -> list[list[str]]:
+    """A stage-3 source's untrained parameters (module placeholders neither trained nor tied aliases), the names
+    each rank's file keeps whole under ``parameters``, as a stage-3 save of ds_tensorshard keeps them."""
+    states = source.model_states
+    aliases = states.get("shared_params") or {}
+    names = [n for n in placeholder_names(states) if n not in source.shapes and n not in aliases]
+    shapes = {n: shape for n in names if (shape := source.kept_shape(n)) is not None}
+    plan = plan_ownership(shapes.items(), world_size, split="never")
+    return [list(plan.names_of(rank)) if shapes else [] for rank in range(world_size)]
+
+
+def _kept_entries(source: CheckpointSource, names: list[str]) -> dict[str, dict]:
+    out = {}
+    for name in names:
+        value = source.kept_parameter(name)
+        if value is not None:
+            out[name] = {"value": value, "shape": list(value.shape)}
+    return out
+
+
 def to_tensorshard(
     source: CheckpointSource, dst: str, tag: str, world_size: int, mp_rank: int = 0, progress: Progress | None = None
 ) -> None:
@@ -108,6 +129,7 @@ def to_tensorshard(
     groups = source.param_groups or [{} for _ in source.group_names]
     scaler = source.scaler
     done = 0
+    kept = _kept_by_rank(source, world_size)
     for rank in range(world_size):
         tensors = {}
         for name in plan.names_of(rank):
@@ -128,6 +150,7 @@ def to_tensorshard(
             overflow=scaler.overflow if scaler else False,
             clip_grad=scaler.clip_grad if scaler else 0.0,
             zero_stage=_zero_stage(source),
+            parameters=_kept_entries(source, kept[rank]),
         )
         save_atomic({"optimizer_state_dict": rank_file.to_dict()}, stock_rank_file(folder, rank, source, mp_rank))
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
