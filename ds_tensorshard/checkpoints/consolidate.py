@@ -150,7 +150,7 @@ def parse_size(size: int | str) -> int:
     """Bytes of a shard size given as a number or as Hugging Face writes it (``"5GB"``, ``"500MB"``, ``"2GiB"``)."""
     if isinstance(size, int):
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", size, re.IGNORECASE)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMGT]i?)?B)?\s*", size, re.IGNORECASE)
     if not match:
         raise CheckpointError(f"shard size {size!r} is not a number of bytes nor like '5GB' or '500MB'")
     unit = (match.group(2) or "B").upper()
@@ -211,7 +211,10 @@ def _write_shard(path: str, lazy: Mapping[str, LazyTensor], names: list[str], pr
     replace_durably(write, path)
 
 
-def _index(out_dir: str, index_name: str, lazy: Mapping[str, LazyTensor], groups: list[list[str]], files: list[str]):
+def _index(
+    out_dir: str, index_name: str, lazy: Mapping[str, LazyTensor], groups: list[list[str]], files: list[str]
+) -> None:
+    """Hugging Face's index of a sharded state dict: the total size and each tensor's file."""
     weight_map = {name: file for file, names in zip(files, groups) for name in names}
     total = sum(lazy[name].nbytes() for name in weight_map)
     text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)

@@ -1,4 +1,5 @@
-"""Offline checkpoint conversion: to plain fp32 weights, to ds_tensorshard, back to stock ZeRO-1/2.
+"""Offline checkpoint conversion: to plain weights (:mod:`.consolidate`), to ds_tensorshard, back to stock ZeRO-1/2
+(ZeRO-3: :mod:`.zero3_writer`); stock ZeRO-3 folders are read by :mod:`.zero3_source`.
 
 Every writer reads the source one tensor at a time (see :mod:`.checkpoint_sources`) and writes
 through :func:`.checkpoint_files.save_atomic`; ``latest`` is written last.

@@ -23,9 +23,10 @@ from deepspeed.utils import zero_to_fp32
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoints import fp32_reader, stock_tools
-from ds_tensorshard.checkpoints.consolidate import lazy_state_dict, write_consolidated
+from ds_tensorshard.checkpoints.consolidate import lazy_state_dict, parse_size, write_consolidated
 from ds_tensorshard.checkpoints.convert import WeightsOptions, convert
 from ds_tensorshard.checkpoints.sources import open_checkpoint
+from ds_tensorshard.errors import CheckpointError
 from tests.helpers.one_rank import make_engine, run_ds_to_universal, train, train_and_save
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.helpers.venvs import ensure_frameworks
@@ -252,3 +253,9 @@ def test_safetensors_export_holds_one_tensor_at_a_time(saves, tmp_path):
         tensor._read = tracked(tensor._read)
     write_consolidated(lazy, str(tmp_path / "out"), "fp32", safetensors=True)
     assert len(alive) == len(lazy)  # the tied alias read again for its own entry
+
+
+def test_shard_sizes_read_as_hugging_face_writes_them():
+    assert [parse_size(s) for s in ("5GB", "2GiB", "500MB", "20KB", "1000", 7)] == [5e9, 2**31, 5e8, 2e4, 1000, 7]
+    with pytest.raises(CheckpointError, match="shard size '5 parsecs'"):
+        parse_size("5 parsecs")
