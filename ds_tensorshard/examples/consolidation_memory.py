@@ -8,7 +8,8 @@ First (``--dir`` empty) it writes the checkpoint: a GPT of :mod:`ds_tensorshard.
 in stock ZeRO-3's layout for 2 ranks, fp32 masters in flat partitions and each rank's module file, through
 ``convert-checkpoint``'s ZeRO-3 writer (whose files equal stock ZeRO-3's own save, tests/multiprocess/
 test_checkpoint.py); it holds no optimizer moments (neither tool reads them: DeepSpeed's maps the files and drops
-them unread). Then each conversion runs alone and its peak RSS is printed as a JSON line per tool.
+them unread). Then each conversion runs alone and its peak RSS is printed as a JSON line per tool: on that folder,
+and on the ds_tensorshard save that ``--to tensorshard`` makes of it.
 """
 
 from __future__ import annotations
@@ -86,14 +87,24 @@ def peak_rss_mib(command: list[str]) -> float:
     return int(found.group(1)) / 1024
 
 
-def conversions(save_dir: str, out: str) -> dict[str, list[str]]:
-    """Each tool's command, by name (DeepSpeed's script with its defaults: pytorch_model.bin shards of 5GB)."""
-    ours = [sys.executable, "-m", "ds_tensorshard.commands.cli", "convert-checkpoint", save_dir]
+def conversions(args_dir: str) -> dict[str, list[str]]:
+    """Each tool's command, by name, in the order they run (the third writes the ds_tensorshard save the last two
+    read). DeepSpeed's scripts run with their defaults: ``pytorch_model.bin`` shards of 5GB."""
+    zero3, ts, out = (os.path.join(args_dir, d) for d in ("zero3", "ts", "out"))
+    cli = [sys.executable, "-m", "ds_tensorshard.commands.cli", "convert-checkpoint"]
     return {
-        "deepspeed zero_to_fp32.py": [sys.executable, os.path.join(save_dir, "zero_to_fp32.py"), save_dir, f"{out}/ds"],
-        "ds-tensorshard --to fp32 --safetensors": [*ours, f"{out}/st", "--to", "fp32", "--safetensors"],
-        "ds-tensorshard --to fp32 --safetensors --max-shard-size 2GB": [
-            *ours,
+        "stock ZeRO-3: deepspeed zero_to_fp32.py": [sys.executable, f"{zero3}/zero_to_fp32.py", zero3, f"{out}/ds"],
+        "stock ZeRO-3: ds-tensorshard --to fp32 --safetensors": [
+            *cli,
+            zero3,
+            f"{out}/st",
+            "--to",
+            "fp32",
+            "--safetensors",
+        ],
+        "stock ZeRO-3: ds-tensorshard --to fp32 --safetensors --max-shard-size 2GB": [
+            *cli,
+            zero3,
             f"{out}/st2",
             "--to",
             "fp32",
@@ -101,7 +112,30 @@ def conversions(save_dir: str, out: str) -> dict[str, list[str]]:
             "--max-shard-size",
             "2GB",
         ],
-        "ds-tensorshard --to fp32 (one .pt file)": [*ours, f"{out}/weights.pt", "--to", "fp32"],
+        "stock ZeRO-3: ds-tensorshard --to fp32 (one .pt file)": [*cli, zero3, f"{out}/weights.pt", "--to", "fp32"],
+        "stock ZeRO-3: ds-tensorshard --to tensorshard --world-size 2": [
+            *cli,
+            zero3,
+            ts,
+            "--to",
+            "tensorshard",
+            "--world-size",
+            "2",
+        ],
+        "ds_tensorshard: ds-tensorshard --to fp32 --safetensors": [
+            *cli,
+            ts,
+            f"{out}/tst",
+            "--to",
+            "fp32",
+            "--safetensors",
+        ],
+        "ds_tensorshard: its zero_to_fp32.py (DeepSpeed's functions through ds_tensorshard)": [
+            sys.executable,
+            f"{ts}/zero_to_fp32.py",
+            ts,
+            f"{out}/tsds",
+        ],
     }
 
 
@@ -117,7 +151,8 @@ def main() -> None:
     if not os.path.isfile(os.path.join(save_dir, "latest")):
         numel = make(save_dir, {"width": args.width, "layers": args.layers, "vocab": args.vocab, "heads": args.heads})
         print(json.dumps({"made": save_dir, "parameters": numel}), flush=True)
-    for name, command in conversions(save_dir, out).items():
+    shutil.rmtree(os.path.join(args.dir, "ts"), ignore_errors=True)
+    for name, command in conversions(args.dir).items():
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         print(json.dumps({"tool": name, "peak_rss_mib": round(peak_rss_mib(command), 1)}), flush=True)
