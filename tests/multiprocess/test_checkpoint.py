@@ -575,6 +575,7 @@ def stage3_bf16_runs(tmp_path_factory):
             ),
         )
     )
+    r["dir"] = d
     r["at_3"], r["s2_at_3"] = train(
         3,
         (d / "at3.pt", "bf16", "ts", 3, *STAGE3, "--load", d / "c"),
@@ -591,6 +592,20 @@ def test_stage3_bf16_saves_resume_as_stock_zero3_and_at_another_world_size_and_s
     assert_continues(r["stock_resumed"], r["stock"], {"loss": 0, "param": 0}, first_step=3)
     for resumed in ("at_3", "s2_at_3"):
         assert_continues(r[resumed], r["ref"], BF16, first_step=3)
+
+
+@pytest.mark.extended  # CI time: the bf16 fixture's two launches
+def test_bf16_stage3_to_zero_stage3_writes_stock_zero3s_bf16_files(stage3_bf16_runs, tmp_path):
+    """bf16: ``--to zero --stage 3`` of ds_tensorshard's 2-rank save is stock ZeRO-3's own (``bf16_`` optimizer
+    files, bf16 placeholders), and stock's through ``--to tensorshard`` and back too."""
+    d = stage3_bf16_runs["dir"]
+    cli("convert-checkpoint", d / "c", tmp_path / "ours", "--to", "zero", "--stage", 3, "--world-size", 2)
+    cli("convert-checkpoint", d / "s", tmp_path / "ts", "--to", "tensorshard", "--world-size", 3)
+    cli("convert-checkpoint", tmp_path / "ts", tmp_path / "back", "--to", "zero", "--stage", 3, "--world-size", 2)
+    stock = _stock_zero3_files(d / "s" / "step3")
+    assert any(name.startswith("bf16_") for name in stock)
+    for converted in ("ours", "back"):
+        _assert_same(_stock_zero3_files(tmp_path / converted / "step3"), stock, converted)
 
 
 @pytest.mark.extended  # CI time: 25.7M parameters at 2 ranks, about 50 s

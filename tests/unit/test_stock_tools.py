@@ -24,8 +24,10 @@ from deepspeed.utils import zero_to_fp32
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoints import fp32_reader, stock_tools
 from ds_tensorshard.checkpoints.consolidate import lazy_state_dict, parse_size, write_consolidated
-from ds_tensorshard.checkpoints.convert import WeightsOptions, convert
+from ds_tensorshard.checkpoints.convert import WeightsOptions, convert, fp32_state_dict
 from ds_tensorshard.checkpoints.sources import open_checkpoint
+from ds_tensorshard.checkpoints.zero3_source import Zero3Source
+from ds_tensorshard.checkpoints.zero3_writer import to_zero3
 from ds_tensorshard.errors import CheckpointError
 from tests.helpers.one_rank import make_engine, run_ds_to_universal, train, train_and_save
 from tests.helpers.tiny_gpt import TinyGPT
@@ -259,3 +261,25 @@ def test_shard_sizes_read_as_hugging_face_writes_them():
     assert [parse_size(s) for s in ("5GB", "2GiB", "500MB", "20KB", "1000", 7)] == [5e9, 2**31, 5e8, 2e4, 1000, 7]
     with pytest.raises(CheckpointError, match="shard size '5 parsecs'"):
         parse_size("5 parsecs")
+
+
+@pytest.mark.parametrize("sub_group_size", [1_000_000_000, 1000])
+def test_zero3_layout_round_trip_keeps_every_master_and_moment(saves, tmp_path, sub_group_size):
+    """Written in stock ZeRO-3's layout for 3 ranks (one sub-group per param group, or several of at least 1000
+    elements each) and read back: every tensor's master, moments and step, and the frozen values, unchanged."""
+    source = open_checkpoint(str(saves["ts"] / "t"))
+    config = dict(source.model_states["ds_config"])
+    config["zero_optimization"] = {**config.get("zero_optimization", {}), "sub_group_size": sub_group_size}
+    source.model_states = {**source.model_states, "ds_config": config}
+    to_zero3(source, str(tmp_path), "t", world_size=3)
+    back = Zero3Source(str(tmp_path / "t"))
+    subs = len(back.model_states["param_shapes"])
+    assert subs == 2 if sub_group_size > 10**6 else subs > 5
+    assert back.group_names == source.group_names
+    for name in source.shapes:
+        ours, theirs = back.tensor(name), source.tensor(name)
+        assert torch.equal(ours.master, theirs.master), name
+        assert ours.state.keys() == theirs.state.keys(), name
+        for key, value in theirs.state.items():
+            assert torch.equal(ours.state[key], value) if torch.is_tensor(value) else ours.state[key] == value
+    assert_same(fp32_state_dict(back), saves["weights"])
