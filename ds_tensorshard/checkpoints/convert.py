@@ -154,6 +154,7 @@ def to_tensorshard(
             parameters=_kept_entries(source, kept[rank]),
         )
         save_atomic({"optimizer_state_dict": rank_file.to_dict()}, stock_rank_file(folder, rank, source, mp_rank))
+        del rank_file, tensors  # one rank's share in memory at a time, not two
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
 
 
@@ -191,6 +192,7 @@ def to_zero(
             },
             stock_rank_file(folder, rank, source, mp_rank),
         )
+        del partition  # one rank's partition in memory at a time, not two
         if progress is not None:
             progress(rank + 1, world_size)
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
