@@ -130,6 +130,13 @@ def conversions(args_dir: str) -> dict[str, list[str]]:
             "fp32",
             "--safetensors",
         ],
+        "ds_tensorshard: its zero_to_fp32.py --safe_serialization (streamed)": [
+            sys.executable,
+            f"{ts}/zero_to_fp32.py",
+            ts,
+            f"{out}/tsst",
+            "--safe_serialization",
+        ],
         "ds_tensorshard: its zero_to_fp32.py (DeepSpeed's functions through ds_tensorshard)": [
             sys.executable,
             f"{ts}/zero_to_fp32.py",

@@ -9,6 +9,7 @@ fp32 weights and optimizer state go through these tools by copying, so every com
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import runpy
@@ -107,6 +108,12 @@ def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, laid_out_for_
     monkeypatch.setattr(sys, "argv", [str(script), str(saves["ts"]), str(tmp_path / "out"), "-t", "t"])
     runpy.run_path(str(script), run_name="__main__")
     assert_same(torch.load(tmp_path / "out" / "pytorch_model.bin"), saves["weights"])
+    if importlib.util.find_spec("safetensors"):  # streamed by ds_tensorshard, in DeepSpeed's shard names and index
+        argv = [str(script), str(saves["ts"]), str(tmp_path / "st"), "-t", "t", "--safe_serialization"]
+        monkeypatch.setattr(sys, "argv", [*argv, "--max_shard_size", "20KB"])
+        runpy.run_path(str(script), run_name="__main__")
+        assert (tmp_path / "st" / "model.safetensors.index.json").exists()
+        assert_same(_safetensors_folder(tmp_path / "st"), saves["weights"])
     # DeepSpeed's zero_to_torch.py beside it imports it as zero_to_fp32
     monkeypatch.syspath_prepend(str(saves["ts"]))
     monkeypatch.delitem(sys.modules, "zero_to_fp32", raising=False)
