@@ -161,4 +161,4 @@ class Zero3Source(CheckpointSource):
             if value is None:
                 value = torch.empty(numel, dtype=fragment.dtype, device="cpu")
             value[lo:hi].copy_(fragment[: hi - lo])
-        return value.view(shape) if value is not None else torch.empty(shape)
+        return value.view(shape) if value is not None else torch.empty(shape, device="cpu")

@@ -53,7 +53,7 @@ def _flats(
     state: dict[int, dict] = {}
     for s, (g, names) in enumerate(subs):
         sizes = [piece(math.prod(source.shapes[n]), world_size) for n in names]
-        flats = {k: torch.zeros(sum(sizes), dtype=torch.float32) for k in ("master", *keys[g])}
+        flats = {k: torch.zeros(sum(sizes), dtype=torch.float32, device="cpu") for k in ("master", *keys[g])}
         step = None
         offset = 0
         for name, size in zip(names, sizes):
@@ -101,7 +101,7 @@ def _fragment(value: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s piece of a whole tensor, zero-padded to ``ceil(numel / world_size)`` elements."""
     flat = value.reshape(-1)
     size = piece(flat.numel(), world_size)
-    out = torch.zeros(size, dtype=flat.dtype)
+    out = torch.zeros(size, dtype=flat.dtype, device="cpu")
     lo, hi = rank * size, min(flat.numel(), (rank + 1) * size)
     if lo < hi:
         out[: hi - lo].copy_(flat[lo:hi])
@@ -118,7 +118,7 @@ def _model_states(
     saved = SavedModule(source)
     buffers = set(states.get("buffer_names") or ())
     states["module"] = OrderedDict(
-        (n, v if n in buffers or not torch.is_tensor(v) else torch.empty(0, dtype=v.dtype))
+        (n, v if n in buffers or not torch.is_tensor(v) else torch.empty(0, dtype=v.dtype, device="cpu"))
         for n, v in (states.get("module") or {}).items()
     )
     states["param_shapes"] = [OrderedDict((n, torch.Size(source.shapes[n])) for n in names) for _, names in subs]
