@@ -1,4 +1,5 @@
-"""Offline checkpoint conversion: to plain fp32 weights, to ds_tensorshard, back to stock ZeRO-1/2.
+"""Offline checkpoint conversion: to plain weights (:mod:`.consolidate`), to ds_tensorshard, back to stock ZeRO-1/2
+(ZeRO-3: :mod:`.zero3_writer`); stock ZeRO-3 folders are read by :mod:`.zero3_source`.
 
 Every writer reads the source one tensor at a time (see :mod:`.checkpoint_sources`) and writes
 through :func:`.checkpoint_files.save_atomic`; ``latest`` is written last.
@@ -14,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
+from ds_tensorshard.checkpoints.consolidate import cast, lazy_state_dict, materialize, write_consolidated
 from ds_tensorshard.checkpoints.files import read_latest, save_atomic, write_text_atomic
-from ds_tensorshard.checkpoints.rank_file import RankFile, rank_file_name, restore_loss_scaler
+from ds_tensorshard.checkpoints.rank_file import RankFile
 from ds_tensorshard.checkpoints.saved_module import SavedModule, placeholder_names
 from ds_tensorshard.checkpoints.sources import (
     CHECKPOINT_ID_KEY,
@@ -25,19 +27,22 @@ from ds_tensorshard.checkpoints.sources import (
     mp_ranks,
     open_checkpoint,
 )
+from ds_tensorshard.checkpoints.stock_layout import elementwise_state_keys, stock_rank_file, stock_scaler_fields
 from ds_tensorshard.checkpoints.stock_tools import (
     copy_deepspeed_recovery_scripts,
     refuse_universal_conversion,
     without_universal_refusal,
     write_recovery_script,
 )
+from ds_tensorshard.checkpoints.zero3_source import Zero3Source, is_stock_zero3, zero3_mp_ranks
+from ds_tensorshard.checkpoints.zero3_writer import to_zero3
 from ds_tensorshard.datapath.plan import plan_ownership
 from ds_tensorshard.errors import CheckpointError
 
 
 def resolve(checkpoint_dir: str, tag: str | None = None, universal: bool = False) -> tuple[str, str]:
     """``(folder, tag)`` of a checkpoint given its save dir (tag from ``latest``) or its tag folder."""
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)):
+    if tag is None and (os.path.isfile(os.path.join(checkpoint_dir, MODEL_STATES)) or is_stock_zero3(checkpoint_dir)):
         return checkpoint_dir, os.path.basename(os.path.normpath(checkpoint_dir))
     if tag is None:
         tag = read_latest(checkpoint_dir, universal)
@@ -54,43 +59,9 @@ ProgressFactory = Callable[[str, str], Progress]  # (label, unit) -> the progres
 def fp32_state_dict(
     source: CheckpointSource, progress: Progress | None = None, exclude_frozen: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full fp32 weights for ``model.load_state_dict``: trained tensors from the fp32 masters; frozen
-    tensors (left out with ``exclude_frozen``, as zero_to_fp32's ``exclude_frozen_parameters`` does) and
-    buffers from the saved module (a stage-3 save's frozen tensors from the rank files that keep them); tied
-    aliases share their owner's tensor. With MoE layers every expert's tensors follow, keyed by global expert
-    index (the saved module holds no expert tensors). ``progress(done, total)`` is called after each module entry."""
-    saved = SavedModule(source)
-    module = source.model_states["module"]
-    buffers = set(source.model_states.get("buffer_names") or ())
-    out: dict[str, torch.Tensor] = {}
-    for done, (name, value) in enumerate(module.items(), 1):
-        if progress is not None:
-            progress(done, len(module))
-        if name in source.shapes:
-            out[name] = source.tensor(name).master.clone()
-        elif torch.is_tensor(value) and (name in buffers or not exclude_frozen):
-            value = saved.value(name) if name in saved.placeholders else value
-            if value is not None:
-                out[name] = value.float().clone() if value.is_floating_point() else value.clone()
-    for name in source.shapes:
-        if name not in out:  # an expert's tensor
-            out[name] = source.tensor(name).master.clone()
-    out = in_stock_order(out, source.model_states, buffers)
-    for alias, owner in (source.model_states.get("shared_params") or {}).items():
-        if owner in out:
-            out[alias] = out[owner]
-        else:
-            out.pop(alias, None)
-    return out
-
-
-def in_stock_order(out: dict[str, torch.Tensor], model_states: Mapping, buffers: set[str]) -> dict[str, torch.Tensor]:
-    """``out`` in the order of DeepSpeed's zero_to_fp32: the buffers, the frozen parameters, the trained ones group
-    by group (the module file's ``param_shapes``), then whatever else (an expert's tensors) as it came."""
-    trained = [name for group in model_states.get("param_shapes") or () for name in group]
-    order = [name for name in out if name in buffers] + list(model_states.get("frozen_param_shapes") or ()) + trained
-    first = {name: i for i, name in enumerate(dict.fromkeys(order))}
-    return dict(sorted(out.items(), key=lambda item: first.get(item[0], len(first))))
+    """Full fp32 weights for ``model.load_state_dict`` (:func:`.consolidate.lazy_state_dict`, every tensor read;
+    tied aliases share their owner's tensor). ``progress(done, total)`` is called after each entry."""
+    return materialize(lazy_state_dict(source, exclude_frozen), progress)
 
 
 def refuse_moe(source: CheckpointSource, conversion: str) -> None:
@@ -103,9 +74,10 @@ def refuse_moe(source: CheckpointSource, conversion: str) -> None:
 
 
 def _model_states_for(source: CheckpointSource, world_size: int, checkpoint_id: str | None) -> dict:
-    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given) or stock ZeRO's (None)."""
+    """The module file of a conversion: ds_tensorshard's (``checkpoint_id`` given; a stage-3 source's placeholders
+    kept, its untrained parameters in the rank files, see :func:`_kept_by_rank`) or stock ZeRO-1/2's (None)."""
     states = without_universal_refusal({k: v for k, v in source.model_states.items() if k != CHECKPOINT_ID_KEY})
-    if placeholder_names(states):  # a stage-3 save: the module whole, as stages 1/2 and stock ZeRO keep it
+    if checkpoint_id is None and placeholder_names(states):  # stock ZeRO-1/2 keeps the module whole
         states["module"] = SavedModule(source).completed()
     states["dp_world_size"] = world_size
     states["param_shapes"] = [
@@ -125,13 +97,24 @@ def _zero_stage(source: CheckpointSource) -> int | None:
     return min(int(stage), 2) if stage in (1, 2, 3) else None
 
 
-def _rank_file(folder: str, rank: int, source: CheckpointSource, mp_rank: int) -> str:
-    return os.path.join(folder, rank_file_name(rank, _is_bf16(source), mp_rank))
+def _kept_by_rank(source: CheckpointSource, world_size: int) -> list[list[str]]:
+    """A stage-3 source's untrained parameters (module placeholders neither trained nor tied aliases), the names
+    each rank's file keeps whole under ``parameters``, as a stage-3 save of ds_tensorshard keeps them."""
+    states = source.model_states
+    aliases = states.get("shared_params") or {}
+    names = [n for n in placeholder_names(states) if n not in source.shapes and n not in aliases]
+    shapes = {n: shape for n in names if (shape := source.kept_shape(n)) is not None}
+    plan = plan_ownership(shapes.items(), world_size, split="never")
+    return [list(plan.names_of(rank)) if shapes else [] for rank in range(world_size)]
 
 
-def _is_bf16(source: CheckpointSource) -> bool:
-    config = source.model_states.get("ds_config") or {}
-    return bool((config.get("bf16") or {}).get("enabled"))
+def _kept_entries(source: CheckpointSource, names: list[str]) -> dict[str, dict]:
+    out = {}
+    for name in names:
+        value = source.kept_parameter(name)
+        if value is not None:
+            out[name] = {"value": value, "shape": list(value.shape)}
+    return out
 
 
 def to_tensorshard(
@@ -147,6 +130,7 @@ def to_tensorshard(
     groups = source.param_groups or [{} for _ in source.group_names]
     scaler = source.scaler
     done = 0
+    kept = _kept_by_rank(source, world_size)
     for rank in range(world_size):
         tensors = {}
         for name in plan.names_of(rank):
@@ -167,49 +151,11 @@ def to_tensorshard(
             overflow=scaler.overflow if scaler else False,
             clip_grad=scaler.clip_grad if scaler else 0.0,
             zero_stage=_zero_stage(source),
+            parameters=_kept_entries(source, kept[rank]),
         )
-        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, _rank_file(folder, rank, source, mp_rank))
+        save_atomic({"optimizer_state_dict": rank_file.to_dict()}, stock_rank_file(folder, rank, source, mp_rank))
+        del rank_file, tensors  # one rank's share in memory at a time, not two
     save_atomic(_model_states_for(source, world_size, checkpoint_id), os.path.join(folder, model_states_name(mp_rank)))
-
-
-def _stock_scaler_fields(source: CheckpointSource) -> dict:
-    """The loss-scaler entries of a stock ZeRO optimizer file (DeepSpeed keeps the scaler object itself)."""
-    scaler = source.scaler
-    if scaler is None or not scaler.loss_scaler:
-        return {
-            "loss_scaler": None,
-            "dynamic_loss_scale": False,
-            "overflow": False,
-            "clip_grad": scaler.clip_grad if scaler else 0.0,
-        }
-    return {
-        "loss_scaler": restore_loss_scaler(scaler.loss_scaler, torch.float16),
-        "dynamic_loss_scale": scaler.dynamic_loss_scale,
-        "overflow": scaler.overflow,
-        "clip_grad": scaler.clip_grad,
-    }
-
-
-def _elementwise_state_keys(source: CheckpointSource, names: list[str]) -> list[str]:
-    """The optimizer-state keys of a param group that stock ZeRO can hold as flat slices: tensors shaped like
-    the parameter (Adam's moments, Adagrad's sum, Lion's exp_avg...). Other state (Adafactor's factors) has
-    no flat layout: refused, naming it."""
-    if not names:
-        return []
-    probe = source.tensor(names[0])
-    numel = probe.master.numel()
-    keys = []
-    for key, value in probe.state.items():
-        if not torch.is_tensor(value) or value.dim() == 0:
-            continue
-        if value.numel() != numel:
-            raise CheckpointError(
-                f"optimizer state '{key}' of tensor '{names[0]}' has {value.numel()} elements for a "
-                f"{numel}-element tensor: stock ZeRO keeps state as flat slices of the parameters, "
-                "so this optimizer's checkpoint cannot be converted to it"
-            )
-        keys.append(key)
-    return sorted(keys)
 
 
 def to_zero(
@@ -234,7 +180,7 @@ def to_zero(
         total = sum(int(torch.Size(source.shapes[n]).numel()) for n in names)
         padded = -(-total // (2 * world_size)) * (2 * world_size)
         group_layouts.append((names, total, padded // world_size))
-    keys = [_elementwise_state_keys(source, names) for names, _, _ in group_layouts]
+    keys = [elementwise_state_keys(source, names) for names, _, _ in group_layouts]
     step = None
     for rank in range(world_size):
         partition, step = _zero_partition(source, group_layouts, keys, rank, step)
@@ -244,8 +190,9 @@ def to_zero(
                 "ds_config": source.model_states.get("ds_config"),
                 "ds_version": source.model_states.get("ds_version"),
             },
-            _rank_file(folder, rank, source, mp_rank),
+            stock_rank_file(folder, rank, source, mp_rank),
         )
+        del partition  # one rank's partition in memory at a time, not two
         if progress is not None:
             progress(rank + 1, world_size)
     save_atomic(_model_states_for(source, world_size, None), os.path.join(folder, model_states_name(mp_rank)))
@@ -298,7 +245,7 @@ def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, w
 
     hyper = source.param_groups or [{} for _ in source.group_names]
     optimizer_state = {
-        **_stock_scaler_fields(source),
+        **stock_scaler_fields(source),
         "base_optimizer_state": {
             "state": partition.state,
             "param_groups": [{**h, "params": [g]} for g, h in enumerate(hyper)],
@@ -315,6 +262,51 @@ def _zero_optimizer_state(source: CheckpointSource, partition: _ZeroPartition, w
     return optimizer_state
 
 
+class WeightsOptions(NamedTuple):
+    """How ``--to fp32`` writes the weights: ``dtype`` (fp32, bf16, fp16) for floating tensors; with
+    ``safetensors`` or a ``max_shard_size``, into a folder, streamed (:mod:`.consolidate`)."""
+
+    dtype: str = "fp32"
+    safetensors: bool = False
+    max_shard_size: str | None = None
+
+
+def _to_weights(
+    ranks: list[int],
+    sources: list[CheckpointSource],
+    dst: str,
+    weights: WeightsOptions | None,
+    progress: ProgressFactory | None,
+) -> str:
+    """``--to fp32``: one state dict of each model-parallel rank, into ``dst`` (a file, or a folder of files)."""
+    weights = weights or WeightsOptions()
+    folder = weights.safetensors or weights.max_shard_size is not None
+    stem, ext = os.path.splitext(dst)
+    for mp_rank, source in zip(ranks, sources):
+        label = f"convert to {weights.dtype}" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
+        report = progress(label, "tensor") if progress else None
+        if folder:
+            out = dst if len(ranks) == 1 else os.path.join(dst, f"mp_rank_{mp_rank:02d}")
+            write_consolidated(
+                lazy_state_dict(source), out, weights.dtype, weights.safetensors, weights.max_shard_size, report
+            )
+            continue
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+        state = materialize(cast(lazy_state_dict(source), weights.dtype), report)
+        save_atomic(state, dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}")
+    return dst
+
+
+def open_sources(folder: str, universal: bool = False) -> tuple[list[int], list[CheckpointSource]]:
+    """The model-parallel ranks of the checkpoint in tag folder ``folder`` and a reader of each (all checked first):
+    ds_tensorshard's, stock ZeRO-1/2's, universal, or stock ZeRO-3's."""
+    if not universal and os.path.isdir(folder) and is_stock_zero3(folder):
+        ranks = zero3_mp_ranks(folder)
+        return ranks, [Zero3Source(folder, m) for m in ranks]
+    ranks = mp_ranks(folder) or [0]
+    return ranks, [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]
+
+
 def convert(
     src: str,
     dst: str,
@@ -324,25 +316,18 @@ def convert(
     stage: int = 2,
     universal: bool = False,
     progress: ProgressFactory | None = None,
+    weights: WeightsOptions | None = None,
 ) -> str:
     """Convert the checkpoint at ``src`` (every model-parallel rank of it); returns what was written.
 
-    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``).
+    With several model-parallel ranks, ``--to fp32`` writes one file per rank (``NAME.mp_rank_XX.pt``), or with
+    ``weights`` asking for safetensors or shards one folder per rank (``DST/mp_rank_XX``).
     ``progress(label, unit)``, where given, makes the ``progress(done, total)`` callback of each model-parallel
     rank's conversion (the command line's draws a bar on a terminal); without it, nothing is reported."""
     folder, tag = resolve(src, tag, universal)
-    ranks = mp_ranks(folder) or [0]
-    sources = [open_checkpoint(folder, universal=universal, mp_rank=m) for m in ranks]  # all checked first
+    ranks, sources = open_sources(folder, universal)
     if to == "fp32":
-        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        stem, ext = os.path.splitext(dst)
-        for mp_rank, source in zip(ranks, sources):
-            label = "convert to fp32" + (f", mp rank {mp_rank}" if len(ranks) > 1 else "")
-            save_atomic(
-                fp32_state_dict(source, progress(label, "tensor") if progress else None),
-                dst if len(ranks) == 1 else f"{stem}.mp_rank_{mp_rank:02d}{ext or '.pt'}",
-            )
-        return dst
+        return _to_weights(ranks, sources, dst, weights, progress)
     if os.path.abspath(dst) == os.path.abspath(os.path.dirname(folder)):
         raise CheckpointError(f"refusing to convert {folder} into its own save dir {dst}: write elsewhere")
     if to not in ("tensorshard", "zero"):
@@ -352,6 +337,9 @@ def convert(
         report = progress(label, "tensor" if to == "tensorshard" else "rank file") if progress else None
         if to == "tensorshard":
             to_tensorshard(source, dst, tag, world_size, mp_rank, report)
+        elif stage == 3:
+            refuse_moe(source, "--to zero --stage 3")
+            to_zero3(source, dst, tag, world_size, mp_rank, report)
         else:
             to_zero(source, dst, tag, world_size, stage, mp_rank, report)
     if to == "tensorshard":

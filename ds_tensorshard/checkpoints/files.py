@@ -62,7 +62,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _replace_durably(write: Callable[[str], None], path: str) -> None:
+def replace_durably(write: Callable[[str], None], path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         write(tmp)
@@ -88,7 +88,7 @@ def write_text_atomic(path: str, text: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
 
-    _replace_durably(write, path)
+    replace_durably(write, path)
 
 
 def digest_path(path: str) -> str:
@@ -115,7 +115,7 @@ def recorded_digest(path: str) -> str | None:
 
 def save_atomic(state_dict: Any, path: str) -> None:
     """torch.save ``state_dict`` to ``path`` atomically, then record its digest."""
-    _replace_durably(lambda tmp: torch.save(state_dict, tmp), path)
+    replace_durably(lambda tmp: torch.save(state_dict, tmp), path)
     write_text_atomic(digest_path(path), file_digest(path))
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from ds_tensorshard.checkpoints import files
-from ds_tensorshard.checkpoints.convert import fp32_state_dict
+from ds_tensorshard.checkpoints.consolidate import lazy_state_dict
 from ds_tensorshard.checkpoints.rank_file import RankFile, parse_rank_file_name
 from ds_tensorshard.checkpoints.sources import mp_ranks, open_checkpoint
 from ds_tensorshard.errors import CheckpointError
@@ -47,15 +47,17 @@ def holds_tensorshard_rank_files(folder: str) -> bool:
 
 
 def tensorshard_fp32_state_dict(folder: str, exclude_frozen_parameters: bool = False) -> dict:
-    """What ``convert-checkpoint --to fp32`` writes for the tag folder (fp32 trained tensors from the masters,
-    frozen tensors and buffers from the module, tied aliases sharing their owner's tensor)."""
+    """What ``convert-checkpoint --to fp32`` writes for the tag folder, unread: a :class:`.consolidate.LazyTensor`
+    per entry (fp32 trained tensors from the masters, frozen tensors and buffers from the module, a tied alias its
+    owner's object), as DeepSpeed's reader hands ZeRO-3 tensors to its callers (``GatheredTensor``): its
+    ``to_torch_tensor`` reads them, and ``convert_zero_checkpoint_to_state_dict`` one shard at a time."""
     ranks = mp_ranks(folder)
     if len(ranks) > 1:
         raise CheckpointError(
             f"checkpoint {folder} has {len(ranks)} model-parallel ranks, and zero_to_fp32 gives one state dict: "
             f"`ds-tensorshard convert-checkpoint {folder} weights.pt --to fp32` writes one file per rank"
         )
-    return fp32_state_dict(open_checkpoint(folder), exclude_frozen=exclude_frozen_parameters)
+    return lazy_state_dict(open_checkpoint(folder), exclude_frozen=exclude_frozen_parameters)
 
 
 def _wrap_fp32_reader(original):

@@ -60,7 +60,7 @@ class ScalerState:
     clip_grad: float
 
 
-def _scaler_state(state: Mapping[str, Any]) -> ScalerState:
+def scaler_state(state: Mapping[str, Any]) -> ScalerState:
     """Loss-scaler facts of a stock ZeRO or universal optimizer file."""
     scaler = state.get("loss_scaler")
     return ScalerState(
@@ -85,6 +85,10 @@ class CheckpointSource:
 
     def tensor(self, name: str) -> TensorState:
         raise NotImplementedError
+
+    def master(self, name: str) -> torch.Tensor:
+        """The tensor's fp32 master alone (what a consolidation reads; readers override it to skip the state)."""
+        return self.tensor(name).master
 
     def kept_shape(self, name: str) -> tuple[int, ...] | None:
         """The shape of a stage-3 save's untrained parameter ``name``, which its rank files hold (None where they
@@ -128,7 +132,8 @@ class CheckpointSource:
                 )
 
 
-def _hyper(group: Mapping[str, Any]) -> dict:
+def hyper_parameters(group: Mapping[str, Any]) -> dict:
+    """A param group's hyper-parameters: all but ``params`` (and DeepSpeed's per-group ``step``)."""
     return {k: v for k, v in group.items() if k not in ("params", "step")}
 
 
@@ -143,14 +148,15 @@ def read_model_states(folder: str, mp_rank: int = 0) -> dict:
     if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, STOCK_ZERO3_MODEL_STATES)):
         raise CheckpointError(
             f"checkpoint {folder} is a stock ZeRO-3 checkpoint ({STOCK_ZERO3_MODEL_STATES}, no {MODEL_STATES}), "
-            "which ds_tensorshard does not load; load it with stock DeepSpeed, or write its weights with "
-            "DeepSpeed's zero_to_fp32 and load those"
+            "which ds_tensorshard does not load as it is; `ds-tensorshard convert-checkpoint SAVE_DIR OUT_DIR "
+            "--to tensorshard` writes it in ds_tensorshard's layout (loadable at any world size and stage)"
         )
     files.verify(path)
     return files.load(path)
 
 
-def _rank_files(folder: str, world_size: int, mp_rank: int) -> list[str]:
+def rank_files(folder: str, world_size: int, mp_rank: int) -> list[str]:
+    """The optimizer file of each data-parallel rank ``0..world_size-1`` of model-parallel rank ``mp_rank``."""
     found: dict[int, str] = {}
     for entry in sorted(os.listdir(folder)):
         ranks = parse_rank_file_name(entry)
@@ -187,7 +193,7 @@ def _open(folder: str, model_states: dict, universal: bool, mp_rank: int) -> Che
         source: CheckpointSource = UniversalSource(folder, model_states)
     else:
         world_size = int(model_states.get("dp_world_size", 1))
-        paths = _rank_files(folder, world_size, mp_rank)
+        paths = rank_files(folder, world_size, mp_rank)
         for path in paths:
             files.verify(path)
         first = files.load(paths[0]).get("optimizer_state_dict")
@@ -270,6 +276,14 @@ class TensorShardSource(CheckpointSource):
         assert value is not None, "a kept parameter is in some rank file"
         return value.view(shape)
 
+    def master(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        if len(self.where[name]) == 1:
+            entry = self._read(self.paths[self.where[name][0]]).tensors[name]
+            if "block" not in entry:
+                return entry["master"].clone().view(shape)
+        return self.tensor(name).master
+
     def tensor(self, name: str) -> TensorState:
         """The whole tensor's state, assembled from its blocks where the saving plan split it."""
         shape = self.shapes[name]
@@ -318,8 +332,10 @@ class ZeroSource(CheckpointSource):
             if rank == 0:
                 base = state["base_optimizer_state"]
                 # elastic_checkpoint files keep no hyper-parameters: the optimizer's own stay
-                self.param_groups = [_hyper(g) for g in base["param_groups"]] if isinstance(base, Mapping) else []
-                self.scaler = _scaler_state(state)
+                self.param_groups = (
+                    [hyper_parameters(g) for g in base["param_groups"]] if isinstance(base, Mapping) else []
+                )
+                self.scaler = scaler_state(state)
                 self.paddings = state.get("param_alignment_paddings")
                 self.counts = counts
             moe = [bool(g.get("moe")) for g in self.param_groups] or [False] * len(counts)
@@ -407,8 +423,8 @@ class UniversalSource(CheckpointSource):
         param_shapes = model_states["param_shapes"]
         self.group_names = [list(group) for group in param_shapes]
         self.shapes = {n: tuple(s) for group in param_shapes for n, s in group.items()}
-        self.param_groups = [_hyper(g) for g in state["param_groups"]]
-        self.scaler = _scaler_state(state)
+        self.param_groups = [hyper_parameters(g) for g in state["param_groups"]]
+        self.scaler = scaler_state(state)
         missing = next((n for n in self.shapes if not os.path.isfile(os.path.join(self.zero, n, "fp32.pt"))), None)
         if missing is not None:
             raise CheckpointError(f"universal checkpoint {folder} lacks {os.path.join(self.zero, missing, 'fp32.pt')}")

@@ -9,7 +9,8 @@ Same command line as DeepSpeed's script::
 It imports ds_tensorshard, then runs DeepSpeed's own ``deepspeed.utils.zero_to_fp32``: a ds_tensorshard
 tag is read by ds_tensorshard's converter (the weights of ``ds-tensorshard convert-checkpoint --to fp32``),
 a stock ZeRO tag by DeepSpeed's code, and the files written are DeepSpeed's (``pytorch_model.bin``, shards,
-index). DeepSpeed's ``zero_to_torch.py`` beside it imports this file as ``zero_to_fp32`` and finds the
+index); with ``--safe_serialization`` a ds_tensorshard tag's safetensors files (same names and index) are written
+one tensor at a time. DeepSpeed's ``zero_to_torch.py`` beside it imports this file as ``zero_to_fp32`` and finds the
 functions it calls here.
 """
 
@@ -54,6 +55,23 @@ def load_state_dict_from_zero_checkpoint(*args: Any, **kwargs: Any) -> Any:
     return _call("load_state_dict_from_zero_checkpoint", *args, **kwargs)
 
 
+def _streamed(args: argparse.Namespace) -> bool:
+    """safetensors of a ds_tensorshard tag: written one tensor at a time (DeepSpeed's way builds each shard whole);
+    False for any other tag, which DeepSpeed's code converts."""
+    import os
+
+    from ds_tensorshard.checkpoints.consolidate import write_safetensors
+    from ds_tensorshard.checkpoints.convert import resolve
+    from ds_tensorshard.checkpoints.fp32_reader import holds_tensorshard_rank_files, tensorshard_fp32_state_dict
+
+    folder, _ = resolve(args.checkpoint_dir, args.tag)
+    if not (os.path.isdir(folder) and holds_tensorshard_rank_files(folder)):
+        return False
+    lazy = tensorshard_fp32_state_dict(folder, args.exclude_frozen_parameters)
+    write_safetensors(lazy, args.output_dir, args.max_shard_size)
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="ZeRO-1/2 or ds_tensorshard checkpoint -> fp32 weights")
     parser.add_argument("checkpoint_dir", help="the save dir (holding 'latest' and the tag folders)")
@@ -66,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     global debug
     debug = int(args.debug)
+    if args.safe_serialization and _streamed(args):
+        return
     convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir,
         args.output_dir,

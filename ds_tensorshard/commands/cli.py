@@ -72,7 +72,7 @@ def cmd_migrate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
-    from ds_tensorshard.checkpoints.convert import convert
+    from ds_tensorshard.checkpoints.convert import WeightsOptions, convert
     from ds_tensorshard.commands.progress import terminal_callback
 
     written = convert(
@@ -84,6 +84,7 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
         stage=args.stage,
         universal=args.universal,
         progress=terminal_callback,  # a bar per conversion on a terminal, nothing in a log
+        weights=WeightsOptions(args.dtype, args.safetensors, args.max_shard_size),
     )
     print(f"wrote {written}")
     return 0
@@ -106,8 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", required=True, choices=["tensorshard", "fp32", "zero"])
     conv.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
     conv.add_argument("--world-size", type=int, default=1, help="ranks the written files are laid out for")
-    conv.add_argument("--stage", type=int, default=2, choices=[1, 2], help="ZeRO stage recorded with --to zero")
+    conv.add_argument(
+        "--stage", type=int, default=2, choices=[1, 2, 3], help="the stock ZeRO stage --to zero writes (its layout)"
+    )
     conv.add_argument("--universal", action="store_true", help="the source is a DeepSpeed universal checkpoint")
+    conv.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="--to fp32: write DST/model.safetensors (or shards), streamed one tensor at a time",
+    )
+    conv.add_argument(
+        "--max-shard-size", help="--to fp32: shards of at most this size into folder DST (e.g. 5GB), with an index"
+    )
+    conv.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="--to fp32: the floating tensors' dtype"
+    )
     conv.set_defaults(func=cmd_convert_checkpoint)
 
     from ds_tensorshard.bench import add_arguments, run

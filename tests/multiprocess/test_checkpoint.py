@@ -366,11 +366,22 @@ def stage3_runs(tmp_path_factory):
         )
     )
     r["saved3"] = torch.load(d / "ref3.pt.step3")
-    r["resumed_at_3"], r["s2_to_s3_at_3"], r["s3_to_s2_at_3"] = train(
-        3,
-        (d / "m3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
-        (d / "m23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
-        (d / "m32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+    cli("convert-checkpoint", d / "s3", d / "s3_as_ts", "--to", "tensorshard", "--world-size", 2)
+    cli("convert-checkpoint", d / "c3", d / "c3_as_zero3", "--to", "zero", "--stage", 3, "--world-size", 3)
+    names = ("resumed_at_3", "s2_to_s3_at_3", "s3_to_s2_at_3", "stock3_as_ts_at_3", "stock3_as_ts_s2_at_3")
+    r.update(
+        zip(
+            (*names, "as_stock3_at_3"),
+            train(
+                3,
+                (d / "m3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c3"),
+                (d / "m23.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "c2"),
+                (d / "m32.pt", "fp32", "ts", 2, "--load", d / "c3"),
+                (d / "ms3.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "s3_as_ts"),
+                (d / "ms32.pt", "fp32", "ts", 2, "--load", d / "s3_as_ts"),
+                (d / "mz3.pt", "fp32", "stock", 3, *STAGE3, "--load", d / "c3_as_zero3"),
+            ),
+        )
     )
     return r
 
@@ -394,6 +405,96 @@ def test_stage2_and_stage3_checkpoints_load_at_the_other_stage_bit_for_bit(stage
 @pytest.mark.parametrize("resumed", ["resumed_at_3", "s2_to_s3_at_3", "s3_to_s2_at_3"])
 def test_stage3_checkpoints_resume_at_another_world_size(stage3_runs, resumed):
     assert_continues(stage3_runs[resumed], stage3_runs["ref3"], FP32, first_step=3)
+
+
+@pytest.mark.parametrize(
+    "resumed,reference",
+    [("stock3_as_ts_at_3", "stock3"), ("stock3_as_ts_s2_at_3", "stock3"), ("as_stock3_at_3", "ref3")],
+)
+def test_stock_zero3_checkpoints_convert_both_ways_and_resume_at_another_world_size(stage3_runs, resumed, reference):
+    """Stock ZeRO-3's 2-rank save converted ``--to tensorshard`` resumes at 3 ranks at stage 3 and at stage 2 as
+    stock ZeRO-3's run continues; ds_tensorshard's 2-rank stage-3 save converted ``--to zero --stage 3
+    --world-size 3`` is loaded and continued by **stock** ZeRO-3 at 3 ranks."""
+    assert_continues(stage3_runs[resumed], stage3_runs[reference], FP32, first_step=3)
+
+
+@pytest.mark.extended  # CI time: one more 2-rank launch; the 3-rank resumes stay in the default suite
+def test_stock_zero3_conversions_resume_bit_for_bit_at_the_same_world_size(stage3_runs, tmp_path):
+    """At 2 ranks: stock ZeRO-3's save converted ``--to tensorshard`` resumes at stage 3 (and at stage 2) as stock
+    resumes itself, and stock ZeRO-3 resumes ds_tensorshard's save converted ``--to zero --stage 3`` the same way:
+    the same losses and parameters, bit for bit (masters and both Adam moments carried over exactly)."""
+    d, r = stage3_runs["dir"], stage3_runs
+    cli("convert-checkpoint", d / "c3", tmp_path / "as_zero3", "--to", "zero", "--stage", 3, "--world-size", 2)
+    runs = train(
+        2,
+        (tmp_path / "ts.pt", "fp32", "ts", 3, *STAGE3, "--load", d / "s3_as_ts"),
+        (tmp_path / "ts2.pt", "fp32", "ts", 2, "--load", d / "s3_as_ts"),
+        (tmp_path / "stock.pt", "fp32", "stock", 3, *STAGE3, "--load", tmp_path / "as_zero3"),
+    )
+    for run, where in zip(runs, ("stock's, at stage 3", "stock's, at stage 2", "ours, by stock")):
+        assert_same_run(run, r["stock_resumed"], where)
+
+
+def _stock_zero3_files(folder):
+    """Every entry of a stock ZeRO-3 tag folder's files but the param groups' ``step`` (a 0 that DeepSpeed's
+    Adam keeps per group and never reads back; a conversion does not know it) and the config's tensorshard block."""
+    out = {}
+    for name in sorted(e for e in os.listdir(folder) if e.endswith(".pt")):
+        saved = torch.load(folder / name, weights_only=False)
+        saved["ds_config"].pop("tensorshard", None)  # ds_tensorshard's run had the block, stock's not
+        if "optimizer_state_dict" in saved:
+            for group in saved["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"]:
+                group.pop("step", None)
+            saved["optimizer_state_dict"]["loss_scaler"] = vars(saved["optimizer_state_dict"]["loss_scaler"])
+        out[name] = saved
+    return out
+
+
+def _assert_same(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_to_zero_stage3_writes_the_files_stock_zero3_writes_moments_included(stage3_runs, tmp_path):
+    """At 2 ranks ds_tensorshard's stage 3 and stock ZeRO-3 train bit for bit alike, so ``--to zero --stage 3
+    --world-size 2`` of ds_tensorshard's save must be stock's own save: every file, entry, flat partition (masters,
+    both Adam moments, step) and frozen piece equal. Stock's save through ``--to tensorshard`` and back too."""
+    d = stage3_runs["dir"]
+    stock = _stock_zero3_files(d / "s3" / "step3")
+    cli("convert-checkpoint", d / "c3", tmp_path / "ours", "--to", "zero", "--stage", 3, "--world-size", 2)
+    cli("convert-checkpoint", d / "s3_as_ts", tmp_path / "back", "--to", "zero", "--stage", 3, "--world-size", 2)
+    for converted in ("ours", "back"):
+        _assert_same(_stock_zero3_files(tmp_path / converted / "step3"), stock, converted)
+
+
+def test_fp32_export_of_stock_zero3_and_of_a_stage3_save_as_sharded_safetensors_equals_zero_to_fp32(
+    stage3_runs, tmp_path
+):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    d = stage3_runs["dir"]
+    stock = get_fp32_state_dict_from_zero_checkpoint(str(d / "s3"))  # DeepSpeed's code on stock's folder
+    for save in ("s3", "c3"):
+        cli(
+            "convert-checkpoint", d / save, tmp_path / save, "--to", "fp32", "--safetensors", "--max-shard-size", "40KB"
+        )
+        index = json.loads((tmp_path / save / "model.safetensors.index.json").read_text())
+        ours: dict = {}
+        for name in sorted(set(index["weight_map"].values())):
+            ours.update(load_file(tmp_path / save / name))
+        assert len(set(index["weight_map"].values())) > 1 and list(index["weight_map"]) == sorted(stock)
+        assert ours.keys() == stock.keys() and all(torch.equal(ours[k], v) for k, v in stock.items()), save
 
 
 def test_stage3_save_holds_each_parameter_once_in_stage2s_layout(stage3_runs):
@@ -474,6 +575,7 @@ def stage3_bf16_runs(tmp_path_factory):
             ),
         )
     )
+    r["dir"] = d
     r["at_3"], r["s2_at_3"] = train(
         3,
         (d / "at3.pt", "bf16", "ts", 3, *STAGE3, "--load", d / "c"),
@@ -490,6 +592,20 @@ def test_stage3_bf16_saves_resume_as_stock_zero3_and_at_another_world_size_and_s
     assert_continues(r["stock_resumed"], r["stock"], {"loss": 0, "param": 0}, first_step=3)
     for resumed in ("at_3", "s2_at_3"):
         assert_continues(r[resumed], r["ref"], BF16, first_step=3)
+
+
+@pytest.mark.extended  # CI time: the bf16 fixture's two launches
+def test_bf16_stage3_to_zero_stage3_writes_stock_zero3s_bf16_files(stage3_bf16_runs, tmp_path):
+    """bf16: ``--to zero --stage 3`` of ds_tensorshard's 2-rank save is stock ZeRO-3's own (``bf16_`` optimizer
+    files, bf16 placeholders), and stock's through ``--to tensorshard`` and back too."""
+    d = stage3_bf16_runs["dir"]
+    cli("convert-checkpoint", d / "c", tmp_path / "ours", "--to", "zero", "--stage", 3, "--world-size", 2)
+    cli("convert-checkpoint", d / "s", tmp_path / "ts", "--to", "tensorshard", "--world-size", 3)
+    cli("convert-checkpoint", tmp_path / "ts", tmp_path / "back", "--to", "zero", "--stage", 3, "--world-size", 2)
+    stock = _stock_zero3_files(d / "s" / "step3")
+    assert any(name.startswith("bf16_") for name in stock)
+    for converted in ("ours", "back"):
+        _assert_same(_stock_zero3_files(tmp_path / converted / "step3"), stock, converted)
 
 
 @pytest.mark.extended  # CI time: 25.7M parameters at 2 ranks, about 50 s

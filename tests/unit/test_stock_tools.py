@@ -8,9 +8,13 @@ fp32 weights and optimizer state go through these tools by copying, so every com
 
 from __future__ import annotations
 
+import gc
+import importlib.util
+import json
 import os
 import runpy
 import sys
+import weakref
 
 import deepspeed
 import pytest
@@ -20,8 +24,12 @@ from deepspeed.utils import zero_to_fp32
 
 import ds_tensorshard  # noqa: F401
 from ds_tensorshard.checkpoints import fp32_reader, stock_tools
-from ds_tensorshard.checkpoints.convert import convert
+from ds_tensorshard.checkpoints.consolidate import lazy_state_dict, parse_size, write_consolidated
+from ds_tensorshard.checkpoints.convert import WeightsOptions, convert, fp32_state_dict
 from ds_tensorshard.checkpoints.sources import open_checkpoint
+from ds_tensorshard.checkpoints.zero3_source import Zero3Source
+from ds_tensorshard.checkpoints.zero3_writer import to_zero3
+from ds_tensorshard.errors import CheckpointError
 from tests.helpers.one_rank import make_engine, run_ds_to_universal, train, train_and_save
 from tests.helpers.tiny_gpt import TinyGPT
 from tests.helpers.venvs import ensure_frameworks
@@ -57,7 +65,8 @@ def test_zero_to_fp32_functions_give_the_converters_weights(saves, tmp_path):
     assert not hasattr(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint, "_ds_tensorshard_original")
     assert fp32_reader.installed()
     assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"])), reference)
-    assert_same(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"]), "t", lazy_mode=True), reference)
+    lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(saves["ts"]), "t", lazy_mode=True)
+    assert_same({k: v.contiguous() for k, v in lazy.items()}, reference)  # lazy_mode's contract: read on contiguous()
     without_frozen = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
         str(saves["ts"]), exclude_frozen_parameters=True
     )
@@ -99,6 +108,12 @@ def test_zero_to_fp32_py_in_the_save_dir_is_ds_tensorshards(saves, laid_out_for_
     monkeypatch.setattr(sys, "argv", [str(script), str(saves["ts"]), str(tmp_path / "out"), "-t", "t"])
     runpy.run_path(str(script), run_name="__main__")
     assert_same(torch.load(tmp_path / "out" / "pytorch_model.bin"), saves["weights"])
+    if importlib.util.find_spec("safetensors"):  # streamed by ds_tensorshard, in DeepSpeed's shard names and index
+        argv = [str(script), str(saves["ts"]), str(tmp_path / "st"), "-t", "t", "--safe_serialization"]
+        monkeypatch.setattr(sys, "argv", [*argv, "--max_shard_size", "20KB"])
+        runpy.run_path(str(script), run_name="__main__")
+        assert (tmp_path / "st" / "model.safetensors.index.json").exists()
+        assert_same(_safetensors_folder(tmp_path / "st"), saves["weights"])
     # DeepSpeed's zero_to_torch.py beside it imports it as zero_to_fp32
     monkeypatch.syspath_prepend(str(saves["ts"]))
     monkeypatch.delitem(sys.modules, "zero_to_fp32", raising=False)
@@ -192,3 +207,86 @@ def test_save_16bit_model_saves_what_stock_saves(tmp_path, monkeypatch, dtype, s
         assert value.dtype == getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
         assert ours[name].dtype == value.dtype and torch.equal(ours[name], value), name
     assert ours["head.weight"].data_ptr() == ours["wte.weight"].data_ptr()  # the tie kept, as in stock's file
+
+
+def _safetensors_folder(folder) -> dict:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    out: dict = {}
+    for name in files:
+        out.update(load_file(folder / name))
+    return out
+
+
+def test_fp32_export_as_sharded_safetensors_and_torch_shards_in_any_dtype(saves, tmp_path):
+    """``--to fp32 --safetensors [--max-shard-size] [--dtype]``: Hugging Face's file names and index, the weights of
+    the single-file export (the tied alias its own entry); ``--max-shard-size`` alone: ``pytorch_model`` shards."""
+    pytest.importorskip("safetensors")
+    reference = saves["weights"]
+    convert(str(saves["ts"]), str(tmp_path / "st"), "fp32", weights=WeightsOptions("fp32", True, "20KB"))
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and set(index["weight_map"]) == set(reference)
+    assert_same(_safetensors_folder(tmp_path / "st"), reference)
+    convert(str(saves["ts"]), str(tmp_path / "bf16"), "fp32", weights=WeightsOptions("bf16", True, None))
+    assert os.listdir(tmp_path / "bf16") == ["model.safetensors"]
+    assert_same(_safetensors_folder(tmp_path / "bf16"), reference, torch.bfloat16)
+    convert(str(saves["ts"]), str(tmp_path / "bin"), "fp32", weights=WeightsOptions("fp16", False, "20KB"))
+    index = json.loads((tmp_path / "bin" / "pytorch_model.bin.index.json").read_text())
+    torch_shards: dict = {}
+    for name in sorted(set(index["weight_map"].values())):
+        torch_shards.update(torch.load(tmp_path / "bin" / name))
+    assert len(set(index["weight_map"].values())) > 2
+    assert_same(torch_shards, reference, torch.float16)
+
+
+def test_safetensors_export_holds_one_tensor_at_a_time(saves, tmp_path):
+    """Each tensor is read when it is written and gone before the next is read."""
+    alive: list = []
+
+    def tracked(read):
+        def wrapper():
+            gc.collect()
+            assert sum(ref() is not None for ref in alive) == 0, "an earlier tensor is still held"
+            tensor = read()
+            alive.append(weakref.ref(tensor))
+            return tensor
+
+        return wrapper
+
+    lazy = lazy_state_dict(open_checkpoint(str(saves["ts"] / "t")))
+    for tensor in {id(t): t for t in lazy.values()}.values():
+        tensor._read = tracked(tensor._read)
+    write_consolidated(lazy, str(tmp_path / "out"), "fp32", safetensors=True)
+    assert len(alive) == len(lazy)  # the tied alias read again for its own entry
+
+
+def test_shard_sizes_read_as_hugging_face_writes_them():
+    assert [parse_size(s) for s in ("5GB", "2GiB", "500MB", "20KB", "1000", 7)] == [5e9, 2**31, 5e8, 2e4, 1000, 7]
+    with pytest.raises(CheckpointError, match="shard size '5 parsecs'"):
+        parse_size("5 parsecs")
+
+
+@pytest.mark.parametrize("sub_group_size", [1_000_000_000, 1000])
+def test_zero3_layout_round_trip_keeps_every_master_and_moment(saves, tmp_path, sub_group_size):
+    """Written in stock ZeRO-3's layout for 3 ranks (one sub-group per param group, or several of at least 1000
+    elements each) and read back: every tensor's master, moments and step, and the frozen values, unchanged."""
+    source = open_checkpoint(str(saves["ts"] / "t"))
+    config = dict(source.model_states["ds_config"])
+    config["zero_optimization"] = {**config.get("zero_optimization", {}), "sub_group_size": sub_group_size}
+    source.model_states = {**source.model_states, "ds_config": config}
+    to_zero3(source, str(tmp_path), "t", world_size=3)
+    back = Zero3Source(str(tmp_path / "t"))
+    subs = len(back.model_states["param_shapes"])
+    assert subs == 2 if sub_group_size > 10**6 else subs > 5
+    assert back.group_names == source.group_names
+    for name in source.shapes:
+        ours, theirs = back.tensor(name), source.tensor(name)
+        assert torch.equal(ours.master, theirs.master), name
+        assert ours.state.keys() == theirs.state.keys(), name
+        for key, value in theirs.state.items():
+            assert torch.equal(ours.state[key], value) if torch.is_tensor(value) else ours.state[key] == value
+    assert_same(fp32_state_dict(back), saves["weights"])
