@@ -4,7 +4,8 @@ data and ranks; or, with ``--configs two_...``, two models trained in the same p
 ds_tensorshard with a plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
-processes, so peak RSS is its own); this module launches them one after another, then writes
+processes, so peak RSS is its own); this module launches them one after another (``--rounds K``: the whole list K
+times over, alternating, each figure then the median of its rounds' medians), then writes
 ``results.json``, ``results.md`` (its command, table + ratio matrix) and ``results.png`` into ``--out``.
 :mod:`.figure` merges several runs into one published figure.
 """
@@ -159,14 +160,27 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
     }
 
 
+def of_rounds(rounds: list[dict]) -> dict[str, Any]:
+    """One configuration's summaries over alternating rounds as one: the last round's, with each time (step, CPU,
+    phases) the median of the rounds' and every round's step time beside it (``step_s_rounds``)."""
+    times = ("step_s", "cpu_s", *PHASES)
+    return {
+        **rounds[-1],
+        **{key: statistics.median(r[key] for r in rounds) for key in times},
+        "step_s_rounds": [r["step_s"] for r in rounds],
+    }
+
+
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
+    rounds = getattr(args, "rounds", 1)  # runs from before --rounds
     lines = [
         f"Command: `{command_line(vars(args))}`",
         "",
         f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
         f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up. "
+        f"median of {args.steps} steps after {args.warmup} warm-up"
+        f"{f', then of {rounds} alternating rounds' if rounds > 1 else ''}. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
@@ -183,6 +197,12 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"{_mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
     lines += _notes(results)
+    if rounds > 1:
+        lines += [
+            "",
+            "Step s of each round, in the order run: "
+            + "; ".join(f"{r['label']} " + ", ".join(f"{s:.3f}" for s in r["step_s_rounds"]) for r in results),
+        ]
     lines += [
         "",
         "Step-time ratio (row / column):",
@@ -291,6 +311,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configurations this many times over, alternating, and report the median of the rounds",
+    )
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
@@ -330,12 +356,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from ds_tensorshard.commands.progress import bar as progress_bar
 
-    results = []
-    with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
-        for config in args.configs:
-            bar.set_postfix_str(LABELS[config])
-            results.append(summarize(config, run_config(config, args, raw_dir)))
-            bar.update(1)
+    rounds: dict[str, list[dict]] = {config: [] for config in args.configs}
+    with progress_bar(len(args.configs) * args.rounds, "bench", "config") as bar:  # silent unless on a terminal
+        for _ in range(args.rounds):
+            for config in args.configs:
+                bar.set_postfix_str(LABELS[config])
+                rounds[config].append(summarize(config, run_config(config, args, raw_dir)))
+                bar.update(1)
+    results = [of_rounds(rounds[config]) for config in args.configs]
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, f, indent=2)
     table = markdown(results, args)
