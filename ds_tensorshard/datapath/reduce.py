@@ -85,9 +85,7 @@ def start_reduce(
     flat buffer goes when the reduction is done; else, in the bucket's dtype already, a view of the flat buffer,
     for a caller that uses it at once), or None where this rank owns nothing in the bucket.
     """
-    flat = bucket.pack(gradient_of, bucket.comm_dtype or averaging.comm_dtype)
-    if averaging.divide_before != 1.0:
-        flat.div_(averaging.divide_before)
+    flat = bucket.pack(gradient_of, bucket.comm_dtype or averaging.comm_dtype, averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
     if bucket.by_all_reduce[0]:
