@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from ds_tensorshard.datapath.domains import Domain
 
 
+# On CPU ranks, up to how many ranks a window's tensors are broadcast one by one, in place, rather than packed into
+# one buffer per owner: the copies saved outweigh the launches at 2 ranks; per-tensor reductions measured slower
+# than the transports' own from 3 ranks, so the gather keeps its buffer there too (docs/performance.md)
+PIECES_UP_TO = 2
+
+
 class Broadcast:
     """Every owner's segment of a bucket to every rank (a stripe: one all-gather, or where its routes say one
     all-reduce with every other slot -0.0, which adds nothing to any value, a zero's sign kept; a window: one
@@ -67,10 +73,10 @@ class Broadcast:
 
 def start_gather(bucket: Bucket, comm: Transport) -> tuple[torch.Tensor | None, Pending]:
     """The bucket's flat buffer with this rank's segment in place, and the collective bringing in the others';
-    a window in host memory: no buffer (None), each owner's tensors broadcast from and into the model's own
-    (no copy into a buffer on the owner, none out of it on the others)."""
+    a window in host memory at up to :data:`PIECES_UP_TO` ranks: no buffer (None), each owner's tensors broadcast
+    from and into the model's own (no copy into a buffer on the owner, none out of it on the others)."""
     by_all_reduce = bucket.by_all_reduce[1]
-    if not bucket.slot and not by_all_reduce and bucket.device.type == "cpu":
+    if not bucket.slot and not by_all_reduce and bucket.device.type == "cpu" and comm.world_size <= PIECES_UP_TO:
         views = [(s.owner, view) for s in bucket.segments for view in bucket.model_views(s)]
         return None, all_of([comm.start_broadcast(view, owner) for owner, view in views])
     if by_all_reduce:
