@@ -244,7 +244,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
             self.zero_grad()
             self.shard.drop_grads()
             return
-        if decision.divisor is not None:
+        if decision.divisor is not None and not _is_one_on_host(decision.divisor):
             self.shard.scale_grads(1.0 / decision.divisor)
         self._update_and_send()
 
@@ -307,3 +307,11 @@ def log_startup(optimizer: TensorShardOptimizer, engine: DeepSpeedEngine) -> Non
             f"{domain.comm.world_size} expert-data-parallel ranks, fullest rank / ideal "
             f"{domain.plan.imbalance:.4f}"
         )
+
+
+def _is_one_on_host(divisor: float | torch.Tensor) -> bool:
+    """A divisor of exactly 1 read without a device sync (a float, or a tensor in host memory): multiplying by
+    its reciprocal would leave every gradient as it is, so the pass over them is skipped."""
+    if isinstance(divisor, torch.Tensor):
+        return divisor.device.type == "cpu" and divisor.numel() == 1 and bool(divisor == 1.0)
+    return divisor == 1.0

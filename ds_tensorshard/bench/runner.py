@@ -4,7 +4,8 @@ data and ranks; or, with ``--configs two_...``, two models trained in the same p
 ds_tensorshard with a plan per model, stepped in turn; ds_tensorshard with one joint plan and ``step_many``).
 
 Each configuration runs as its own ``mpiexec -n RANKS`` job of :mod:`.worker` (a fresh set of
-processes, so peak RSS is its own); this module launches them one after another, then writes
+processes, so peak RSS is its own); this module launches them one after another (``--rounds K``: the whole list K
+times over, alternating, each figure then the median of its rounds' medians), then writes
 ``results.json``, ``results.md`` (its command, table + ratio matrix) and ``results.png`` into ``--out``.
 :mod:`.figure` merges several runs into one published figure.
 """
@@ -31,6 +32,7 @@ from ds_tensorshard.bench.configs import (
     MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
+    SHARDED,
     TWO_MODEL_CONFIGS,
     add_run_arguments,
     second_model_shape,
@@ -72,12 +74,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_config(config: str, args: argparse.Namespace, raw_dir: str) -> list[dict]:
+def run_config(config: str, args: argparse.Namespace, raw_dir: str, tree: str | None = None) -> list[dict]:
+    """One configuration's ``mpiexec`` job (``tree``: its workers from that source tree, ``--baseline``); each
+    rank's results."""
     mpiexec = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         raise SystemExit("ds-tensorshard bench launches its ranks with mpiexec: pip install 'ds_tensorshard[mpi]'")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    if tree is not None:
+        env["PYTHONPATH"] = os.path.abspath(tree)
+        raw_dir = os.path.join(raw_dir, "baseline")
+        os.makedirs(raw_dir, exist_ok=True)
     cmd = [
         mpiexec,
         "-n",
@@ -123,14 +131,15 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through run_config's cleanup, unlike the default action
 
 
-def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
-    """Per step, the slowest rank counts; then medians over steps."""
+def summarize(config: str, ranks: list[dict], baseline: bool = False) -> dict[str, Any]:
+    """Per step, the slowest rank counts; then medians over steps (``baseline``: run from ``--baseline``'s tree,
+    whose workers may predate the operator counts)."""
     steps = list(zip(*(r["steps"] for r in ranks)))
     median = lambda key: statistics.median(max(rank_row[key] for rank_row in step) for step in steps)  # noqa: E731
     state = [r["optimizer_state_bytes"] for r in ranks]
     return {
         "config": config,
-        "label": LABELS[config],
+        "label": LABELS[config] + (" @ baseline" if baseline else ""),
         "world_size": ranks[0]["world_size"],
         "numel": ranks[0]["numel"],
         "step_s": median("step_s"),
@@ -142,9 +151,9 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
         "optimizer_state_bytes_fullest": max(state),
         "optimizer_state_bytes_total": sum(state),
         "optimizer_state_fullest_over_ideal": max(state) * len(state) / sum(state),
-        "aten_ops_per_step": max(r["aten_ops_per_step"] for r in ranks),
-        "host_syncs_per_step": max(r["host_syncs_per_step"] for r in ranks),
-        "aten_ops_per_step_by_rank": [r["aten_ops_per_step"] for r in ranks],
+        "aten_ops_per_step": max(r.get("aten_ops_per_step", 0) for r in ranks),
+        "host_syncs_per_step": max(r.get("host_syncs_per_step", 0) for r in ranks),
+        "aten_ops_per_step_by_rank": [r.get("aten_ops_per_step", 0) for r in ranks],
         **(
             {
                 "newton_schulz_fullest_over_ideal": max(r["newton_schulz_work"] for r in ranks)
@@ -159,14 +168,27 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
     }
 
 
+def of_rounds(rounds: list[dict]) -> dict[str, Any]:
+    """One configuration's summaries over alternating rounds as one: the last round's, with each time (step, CPU,
+    phases) the median of the rounds' and every round's step time beside it (``step_s_rounds``)."""
+    times = ("step_s", "cpu_s", *PHASES)
+    return {
+        **rounds[-1],
+        **{key: statistics.median(r[key] for r in rounds) for key in times},
+        "step_s_rounds": [r["step_s"] for r in rounds],
+    }
+
+
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
+    rounds = getattr(args, "rounds", 1)  # runs from before --rounds
     lines = [
         f"Command: `{command_line(vars(args))}`",
         "",
         f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
         f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up. "
+        f"median of {args.steps} steps after {args.warmup} warm-up"
+        f"{f', then of {rounds} alternating rounds' if rounds > 1 else ''}. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
@@ -183,6 +205,12 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             f"{_mib(r['sent_bytes_per_rank'])} | {r['aten_ops_per_step']:,} | {r['host_syncs_per_step']:,} |"
         )
     lines += _notes(results)
+    if rounds > 1:
+        lines += [
+            "",
+            "Step s of each round, in the order run: "
+            + "; ".join(f"{r['label']} " + ", ".join(f"{s:.3f}" for s in r["step_s_rounds"]) for r in results),
+        ]
     lines += [
         "",
         "Step-time ratio (row / column):",
@@ -291,6 +319,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configurations this many times over, alternating, and report the median of the rounds",
+    )
+    parser.add_argument(
+        "--baseline",
+        help="a source tree (another commit's worktree): each ds_tensorshard configuration runs from it too "
+        "(PYTHONPATH=BASELINE), next to the same one from this tree in every round",
+    )
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
@@ -330,12 +369,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from ds_tensorshard.commands.progress import bar as progress_bar
 
-    results = []
-    with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
-        for config in args.configs:
-            bar.set_postfix_str(LABELS[config])
-            results.append(summarize(config, run_config(config, args, raw_dir)))
-            bar.update(1)
+    runs = [(c, tree) for c in args.configs for tree in (None, args.baseline) if tree is None or c in SHARDED]
+    rounds: dict[tuple[str, str | None], list[dict]] = {run: [] for run in runs}
+    with progress_bar(len(runs) * args.rounds, "bench", "config") as bar:  # silent unless on a terminal
+        for _ in range(args.rounds):
+            for config, tree in runs:
+                bar.set_postfix_str(LABELS[config])
+                ranks = run_config(config, args, raw_dir, tree)
+                rounds[config, tree].append(summarize(config, ranks, tree is not None))
+                bar.update(1)
+    results = [of_rounds(rounds[run]) for run in runs]
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, f, indent=2)
     table = markdown(results, args)

@@ -165,10 +165,11 @@ def plan_report(
 def default_report(
     shapes: Shapes, plan: OwnershipPlan, network: Network, element_bytes: int, flat: bool
 ) -> dict[str, Any]:
-    """What ``bucket_layout: "auto"`` picks on an accelerator at this plan's world size (chosen on the default
-    network, as a run does: it cannot know its network), priced on ``network`` against stock ZeRO-2 at its own
-    defaults (``reduce_bucket_size`` 5e8); with the stripes' padding, in bytes. ``flat``: nothing keeps the run
-    from flat parameters (:mod:`~ds_tensorshard.datapath.flat_choice`), planned then by the flat plan."""
+    """What ``bucket_layout: "auto"`` picks on an accelerator at this plan's world size (chosen to hold on each
+    fabric the cost model prices, as a run does: it cannot know its network), priced on ``network`` against stock
+    ZeRO-2 at its own defaults (``reduce_bucket_size`` 5e8); with the stripes' padding, in bytes, and their routes.
+    ``flat``: nothing keeps the run from flat parameters (:mod:`~ds_tensorshard.datapath.flat_choice`), planned
+    then by the flat plan."""
     n, numels = plan.world_size, [math.prod(shape) for _, shape in shapes]
     flat_plan = plan_flat(shapes, n) if flat and n > 1 else None
     owned = list((flat_plan or plan).numel_per_rank)
@@ -176,7 +177,12 @@ def default_report(
     accelerator = Wire("torch", "an accelerator", on_cpu=False)
     choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes, flat_numel)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
-    under = choice.routes(n).reduce_below  # stripes on accelerators: the same both ways; windows: 0
+    routes = choice.routes(n)  # windows: none
+    under = (routes.reduce_below, routes.gather_below)
+    stripe_bytes = min(choice.bucket_numel, n * max(owned)) * element_bytes  # the largest stripe
+    gather_bytes = flat_numel * element_bytes if flat_numel else stripe_bytes
+    ways = {"reduced_by": ("all-reduce", "reduce-scatter"), "gathered_by": ("all-reduce", "all-gather")}
+    by = [size < limit for size, limit in ((stripe_bytes, under[0]), (gather_bytes, under[1]))]
     if choice.layout != "windows":
         cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, network, element_bytes, under, flat_numel)
         buckets, largest = -(-max(owned) // max(1, choice.bucket_numel // n)), choice.bucket_numel
@@ -194,7 +200,7 @@ def default_report(
             "largest_buffer": largest,
             **asdict(cost),
             "time_ratio": cost.seconds / stock.seconds if stock.seconds else 1.0,
-            "all_reduce_below_bytes": under,
+            **{key: names[0] if taken else names[1] for (key, names), taken in zip(ways.items(), by)},
             "padding_bytes": padding * element_bytes,
             "padding_bytes_per_step": padding_per_step * element_bytes,
             "flat_padding_bytes": (flat_numel - sum(numels)) * element_bytes if flat_numel else 0,

@@ -71,7 +71,8 @@ def _reduction(numels: Sequence[int], owned: Sequence[int], net: Network, elemen
         return Cost(0, 0.0, 0.0)
     wire = Wire("torch", "an accelerator", on_cpu=False)
     choice = choose_layout(TensorShardConfig(), {}, wire, numels, owned, element_bytes)
-    under = choice.routes(n).reduce_below
+    routes = choice.routes(n)
+    under = (routes.reduce_below, routes.gather_below)
     return tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, net, element_bytes, under, gather=False)
 
 

@@ -94,17 +94,20 @@ class Bucket:
         return next((s for s in self.segments if s.owner == rank), None)
 
     def pack(
-        self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None], dtype: torch.dtype | None = None
+        self,
+        tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+        dtype: torch.dtype | None = None,
+        divisor: float = 1.0,
     ) -> torch.Tensor:
         """The bucket's flat buffer (in ``dtype``, default the bucket's) from one tensor per parameter
-        (zeros where there is none), concatenated in one call: the segments lie back to back in piece order."""
+        (zeros where there is none), divided by ``divisor``: the segments lie back to back in piece order."""
         dtype = dtype or self.dtype
         if self.slot:  # a stripe: each segment in its slot, the padding zeros
             flat = torch.zeros(self.numel, dtype=dtype, device=self.device)
             for segment in self.segments:
-                _cat(segment.pieces, tensor_of, flat[segment.offset : segment.offset + segment.numel])
+                _cat(segment.pieces, tensor_of, flat[segment.offset : segment.offset + segment.numel], divisor)
             return flat
-        return _cat(tuple(self.pieces()), tensor_of, torch.empty(self.numel, dtype=dtype, device=self.device))
+        return _cat(tuple(self.pieces()), tensor_of, torch.empty(self.numel, dtype=dtype, device=self.device), divisor)
 
     def model_views(self, segment: Segment) -> list[torch.Tensor]:
         """Views of the model's tensors for ``segment``'s pieces (what its owner sends and the others receive),
@@ -126,13 +129,28 @@ class Bucket:
 
 
 def _cat(
-    pieces: Sequence[Piece], tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None], out: torch.Tensor
+    pieces: Sequence[Piece],
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+    out: torch.Tensor,
+    divisor: float = 1.0,
 ) -> torch.Tensor:
-    parts = []
-    for piece in pieces:
-        source = tensor_of(piece.param)
-        parts.append(out.new_zeros(piece.numel) if source is None else piece.of(source))
-    return torch.cat(parts, out=out)
+    """``out`` = the pieces' tensors back to back, divided by ``divisor``: concatenated in one call then divided,
+    or, on the host where every tensor is in ``out``'s dtype already, each divided into its place (one pass over
+    the gradients, not two, the same quotients; an accelerator keeps the one concatenation's launch)."""
+    parts = [None if (source := tensor_of(piece.param)) is None else piece.of(source) for piece in pieces]
+    mixed = any(part is not None and part.dtype != out.dtype for part in parts)
+    if divisor == 1.0 or mixed or out.device.type != "cpu":
+        torch.cat([out.new_zeros(p.numel) if part is None else part for p, part in zip(pieces, parts)], out=out)
+        return out.div_(divisor) if divisor != 1.0 else out
+    start = 0
+    for piece, part in zip(pieces, parts):
+        place = out[start : start + piece.numel]
+        if part is None:
+            place.zero_()
+        else:
+            torch.div(part, divisor, out=place)
+        start += piece.numel
+    return out
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ Three patterns per step, each with one scalar all-reduce for the gradient norm:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,6 +61,10 @@ class Network:
 # 8 H100 per node, NVLink 4 (450 GB/s per direction per GPU) within, 8 ConnectX-7 NDR (8 x 400 Gb/s = 400 GB/s
 # per node) across; 9.6 us per network hop: NCCL's own tuning model (src/graph/tuning.cc, hwLat NET, Ring, Simple)
 DEFAULT_NETWORK = Network(alpha_us=9.6, bus_gbps=400.0, intra_node_ranks=8, intra_gbps=450.0)
+# A slower fabric between the same nodes: 25 GB/s per node (one 200 Gb/s NIC), 5 us per hop ("--network 5,25")
+SLOW_NETWORK = Network(alpha_us=5.0, bus_gbps=25.0, intra_node_ranks=8, intra_gbps=450.0)
+# The fabrics a default must hold on: a run cannot know its own, so the defaults are priced on each
+FABRICS = (DEFAULT_NETWORK, SLOW_NETWORK)
 
 
 def parse_network(text: str) -> Network:
@@ -158,32 +162,33 @@ def tensorshard_stripes_cost(
     bucket_numel: int,
     net: Network,
     element_bytes: int,
-    all_reduce_under: float | None = None,
+    all_reduce_under: tuple[float, float] | None = None,
     flat_numel: int = 0,
     gather: bool = True,
 ) -> Cost:
     """Stripes of ``bucket_numel`` over a fullest rank of ``fullest`` elements (``build_stripes``: slots of
     ``bucket_numel // n``, the last one the rest): each stripe's ``n x slot`` elements reduced and gathered by
     :func:`stripe_collective` (a ring reduce-scatter and all-gather, or all-reduces), counted in closed form (a
-    small bucket at many ranks is many stripes). ``all_reduce_under``: the stripe size in bytes under which a run
-    takes the all-reduces, where it chose on another network than ``net``. ``flat_numel``: flat parameters
-    (``bucket_layout: "flat"``), gathered instead by one collective (the same choice) of their storage of that many
-    elements. ``gather=False``: the reductions alone (stage 3: the next forward gathers instead)."""
+    small bucket at many ranks is many stripes). ``all_reduce_under``: the sizes in bytes under which a run
+    reduces, and gathers, by all-reduce, where it chose its routes otherwise than on ``net``. ``flat_numel``: flat
+    parameters (``bucket_layout: "flat"``), gathered instead by one collective (the same choice) of their storage of
+    that many elements. ``gather=False``: the reductions alone (stage 3: the next forward gathers instead)."""
     slot = max(1, bucket_numel // n)
     full, rest = divmod(fullest, slot)
 
-    def collective(size: float) -> Time:
+    def collective(size: float, way: int) -> Time:
         if all_reduce_under is None:
             return stripe_collective(size, n, net)
-        return all_reduce(size, n, net) if size < all_reduce_under else all_gather(size, n, net)
+        return all_reduce(size, n, net) if size < all_reduce_under[way] else all_gather(size, n, net)
 
-    ways = 1 if flat_numel or not gather else 2
-    per = [(count, collective(n * width * element_bytes)) for count, width in ((full, slot), (int(rest > 0), rest))]
-    times = [_norm(n, net)] + ([collective(flat_numel * element_bytes)] if flat_numel else [])
+    ways = (0,) if flat_numel or not gather else (0, 1)
+    stripes = ((full, slot), (int(rest > 0), rest))
+    per = [(count, collective(n * width * element_bytes, way)) for count, width in stripes for way in ways]
+    times = [_norm(n, net)] + ([collective(flat_numel * element_bytes, 1)] if flat_numel else [])
     return Cost(
-        ways * (full + int(rest > 0)) + len(times),
-        sum(ways * count * sum(time) for count, time in per) + sum(map(sum, times)),
-        sum(ways * count * time[0] for count, time in per) + sum(time[0] for time in times),
+        sum(count for count, _ in per) + len(times),
+        sum(count * sum(time) for count, time in per) + sum(map(sum, times)),
+        sum(count * time[0] for count, time in per) + sum(time[0] for time in times),
     )
 
 
@@ -194,16 +199,25 @@ def stripes_fit(
     stripes over a fullest rank of ``fullest`` elements whose reduce-scatters and all-gathers (``flat_numel``: and
     the flat parameters' one gather of their storage) take at most ``limit_s``; where none does, the fewest stripes that
     ``max_numel`` allows (the fastest within it)."""
+    return most_stripes(
+        fullest,
+        n,
+        max_numel,
+        lambda bucket: (
+            tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, flat_numel=flat_numel).seconds <= limit_s
+        ),
+    )
+
+
+def most_stripes(fullest: int, n: int, max_numel: int, fits: Callable[[int], bool]) -> int:
+    """The bucket size (``n x slot``) of the most stripes over a fullest rank of ``fullest`` elements for which
+    ``fits(bucket size)`` holds, searched as if it held up to some count and not beyond (time grows with the
+    count); where none does, the fewest stripes that ``max_numel`` allows."""
     fewest = -(-fullest // max(1, max_numel // n)) if fullest else 1
-
-    def seconds(count: int) -> float:
-        bucket = n * -(-fullest // count)
-        return tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, flat_numel=flat_numel).seconds
-
-    low, high = fewest, max(fullest, fewest)  # seconds() grows with the count: the last count within the limit
+    low, high = fewest, max(fullest, fewest)
     while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if seconds(middle) <= limit_s else (low, middle - 1)
+        low, high = (middle, high) if fits(n * -(-fullest // middle)) else (low, middle - 1)
     return n * -(-max(fullest, 1) // low)
 
 

@@ -9,16 +9,18 @@ the backend and the world size (``bucket_layout: "auto"``, the default).
   buckets of ``DEFAULT_BUCKET_NUMEL`` (the size measured).
 - Accelerators (NCCL and the like), more than one rank: flat parameters where nothing in the run rules them out
   (:mod:`.flat_choice` decides before the plan is made; ``flat_numel`` here), else stripes; either way stripes
-  sized by the α-β cost model (:mod:`.cost_model`, its default network, with flat parameters' one gather of their
-  storage instead of a gather per stripe): the most buckets whose predicted communication per step is at most
-  ``TARGET`` x stock
-  ZeRO-2's at its own defaults (``reduce_bucket_size`` 5e8), each flat buffer within those 5e8 elements; where no
-  bucket size within them gets there, the fewest buckets they allow (the fastest). Windows at the same size are
-  never faster by the model (two launches per owner present against two per bucket), so they are not priced.
+  sized and routed by the α-β cost model (:mod:`.cost_model`, with flat parameters' one gather of their storage
+  instead of a gather per stripe) on each of its ``FABRICS`` (a run cannot know its own): the most buckets whose
+  predicted communication per step is at most ``TARGET`` x stock ZeRO-2's at its own defaults
+  (``reduce_bucket_size`` 5e8) on every fabric, each flat buffer within those 5e8 elements; where no bucket size
+  within them gets there, the fewest buckets they allow (the fastest), routed to the smaller worse ratio. The
+  routes (:func:`route_candidates`) are priced with each size. Windows at the same size are never faster by the
+  model (two launches per owner present against two per bucket), so they are not priced.
   One rank communicates nothing: windows of ``DEFAULT_BUCKET_NUMEL``.
 - Stripes travel by :class:`StripeRoutes`: each way one all-reduce of the whole stripe instead of the
-  reduce-scatter / all-gather where the cost model prices it faster (accelerators) or where it measured faster
-  (CPU ranks: :data:`ALL_REDUCE_ON_CPU_BELOW`).
+  reduce-scatter / all-gather where chosen with the size (accelerators; a size set in the config, or another
+  group's size, below the size the default network prices it faster) or where it measured faster (CPU ranks:
+  :data:`ALL_REDUCE_ON_CPU_BELOW`).
 
 The choice is made once, over the data-parallel group's tensors and plan; expert groups (MoE) take it too, their
 stripes routed for their own size.
@@ -43,11 +45,12 @@ import torch
 from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,
+    FABRICS,
     STOCK_REDUCE_BUCKET,
     Network,
     all_reduce_below,
+    most_stripes,
     stock_zero2_cost,
-    stripes_fit,
     tensorshard_stripes_cost,
 )
 from ds_tensorshard.datapath.shapes import numel_of
@@ -120,11 +123,18 @@ class LayoutChoice:
     why: str
     wire: Wire | None = None
     """Stripes only: where they travel, which sets their routes."""
+    priced: tuple[int, StripeRoutes] | None = None
+    """Stripes sized by the cost model: the world size they were priced at and the routes chosen with the size."""
 
     def routes(self, world_size: int) -> StripeRoutes:
-        """Which collectives of stripes over a group of ``world_size`` ranks travel as all-reduces (an MoE expert
-        group's own size for its stripes); none for windows."""
-        return StripeRoutes() if self.wire is None else StripeRoutes.for_wire(self.wire, world_size)
+        """Which collectives of stripes over a group of ``world_size`` ranks travel as all-reduces: those priced
+        with the size at its world size, else (an MoE expert group's own size, a size set in the config) by
+        :meth:`StripeRoutes.for_wire`; none for windows."""
+        if self.wire is None:
+            return StripeRoutes()
+        if self.priced is not None and self.priced[0] == world_size:
+            return self.priced[1]
+        return StripeRoutes.for_wire(self.wire, world_size)
 
 
 @dataclass(frozen=True)
@@ -186,8 +196,8 @@ def choose_layout(
         if size is None and wire.on_cpu:  # asked for on CPU ranks: the bucket size measured there
             size = DEFAULT_BUCKET_NUMEL
         elif size is None:
-            size, sized = default_stripes(numels, owned, element_bytes, flat_numel)
-            why += f"; {sized}"
+            size, routes, sized = default_stripes(numels, owned, element_bytes, flat_numel)
+            return choice("flat", size, f"{why}; {sized}", routes=routes)
         return choice("flat", size, "; ".join(filter(None, (why, given))))
     if layout is not None and size is not None:
         return choice(layout, size, f"bucket_layout and {size_key} set in the config")
@@ -208,38 +218,66 @@ def choose_layout(
             f"{given}; stripes: on {wire.transport} at {n} ranks the cost model "
             "prices them below windows at any bucket size",
         )
-    bucket, why = default_stripes(numels, owned, element_bytes)
-    return choice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}")
+    bucket, routes, why = default_stripes(numels, owned, element_bytes)
+    return choice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}", routes=routes)
 
 
-def _routed(layout: Layout, bucket_numel: int, why: str, wire: Wire, world_size: int) -> LayoutChoice:
-    """The choice; stripes (flat's too) keep their wire, and the reason says how they travel at ``world_size``
-    ranks."""
+def _routed(
+    layout: Layout, bucket_numel: int, why: str, wire: Wire, world_size: int, routes: StripeRoutes | None = None
+) -> LayoutChoice:
+    """The choice; stripes (flat's too) keep their wire and ``routes`` (priced with the size; else the wire's), and
+    the reason says how they travel at ``world_size`` ranks."""
     if layout == "windows":
         return LayoutChoice(layout, bucket_numel, why)
-    routes = StripeRoutes.for_wire(wire, world_size)
-    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe(layout == 'flat')}", wire)
+    priced = None if routes is None else (world_size, routes)
+    routes = routes or StripeRoutes.for_wire(wire, world_size)
+    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe(layout == 'flat')}", wire, priced)
+
+
+def route_candidates(n: int) -> list[StripeRoutes]:
+    """The routes priced at ``n`` ranks, each way: all-reduce below the size the model prices faster on the default
+    network (first: it wins ties), never, below that size on the slow fabric, always."""
+    limits = dict.fromkeys((all_reduce_below(n, DEFAULT_NETWORK), 0.0, all_reduce_below(n, FABRICS[-1]), math.inf))
+    return [StripeRoutes(reduce, gather) for reduce in limits for gather in limits]
 
 
 def default_stripes(
     numels: Sequence[int], owned: Sequence[int], element_bytes: int, flat_numel: int = 0
-) -> tuple[int, str]:
-    """The stripes' bucket size on an accelerator (the rule in the module's docstring; ``flat_numel``: the flat
-    parameters' storage, gathered whole) and the reason, in words."""
-    n, fullest, net = len(owned), max(owned), DEFAULT_NETWORK
-    stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds
-    bucket = stripes_fit(fullest, n, net, element_bytes, TARGET * stock, STOCK_REDUCE_BUCKET, flat_numel)
-    cost = tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, flat_numel=flat_numel)
-    ratio = cost.seconds / stock if stock else 1.0
+) -> tuple[int, StripeRoutes, str]:
+    """The stripes' bucket size on an accelerator and their routes (the rule in the module's docstring; ``flat_numel``:
+    the flat parameters' storage, gathered whole) and the reason, in words."""
+    n, fullest = len(owned), max(owned)
+    stocks = [stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds for net in FABRICS]
+
+    def ratios(bucket: int, routes: StripeRoutes) -> list[float]:
+        under = (routes.reduce_below, routes.gather_below)
+        costs = [tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, under, flat_numel) for net in FABRICS]
+        return [cost.seconds / stock if stock else 1.0 for cost, stock in zip(costs, stocks)]
+
+    priced = []
+    for routes in route_candidates(n):
+        fits = functools.partial(lambda size, way: max(ratios(size, way)) <= TARGET, way=routes)
+        bucket = most_stripes(fullest, n, STOCK_REDUCE_BUCKET, fits)
+        priced.append((bucket, max(ratios(bucket, routes)), routes))
+    within = [choice for choice in priced if choice[1] <= TARGET]
+    bucket, _, routes = min(within or priced, key=lambda choice: choice[:2])  # the most buckets, then fastest
     rule = (
         f"the most buckets predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
-        if ratio <= TARGET
+        if within
         else f"the fewest buckets (the fastest) with flat buffers within stock's {STOCK_REDUCE_BUCKET:,}-element "
         f"bucket; none there is predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
     )
-    return bucket, (
-        f"stripes, {-(-fullest // max(1, bucket // n))} buckets at {n} ranks: {rule} (cost model, {describe(net)}: "
-        f"{cost.seconds * 1e3:,.1f} ms against {stock * 1e3:,.1f} ms, {ratio:.2f}x)"
+    each = "; ".join(
+        f"{describe(net)}: {ratio:.2f}x of {stock * 1e3:,.1f} ms"
+        for net, ratio, stock in zip(FABRICS, ratios(bucket, routes), stocks)
+    )
+    return (
+        bucket,
+        routes,
+        (
+            f"stripes, {-(-fullest // max(1, bucket // n))} buckets at {n} ranks: {rule} on each fabric the cost model "
+            f"prices ({each})"
+        ),
     )
 
 

@@ -75,17 +75,17 @@ def start_reduce(
     comm: Transport,
     averaging: Averaging,
     gradient_of: Callable[[torch.nn.Parameter], torch.Tensor | None],
+    copy: bool = True,
 ) -> Pending:
     """Pack the bucket's gradients (missing ones count as zeros) and start their reduction onto the owners
     present (a stripe: one reduce-scatter, or one all-reduce where its routes say; a window: one operation where
     the transport groups them, else one reduce per owner).
 
-    The result is this rank's segment of averaged gradients in the bucket's dtype (a copy, so the
-    flat buffer goes when the reduction is done), or None where this rank owns nothing in the bucket.
+    The result is this rank's segment of averaged gradients in the bucket's dtype (``copy``: a copy, so the
+    flat buffer goes when the reduction is done; else, in the bucket's dtype already, a view of the flat buffer,
+    for a caller that uses it at once), or None where this rank owns nothing in the bucket.
     """
-    flat = bucket.pack(gradient_of, bucket.comm_dtype or averaging.comm_dtype)
-    if averaging.divide_before != 1.0:
-        flat.div_(averaging.divide_before)
+    flat = bucket.pack(gradient_of, bucket.comm_dtype or averaging.comm_dtype, averaging.divide_before)
     if averaging.scale_before != 1.0:
         flat.mul_(averaging.scale_before)
     if bucket.by_all_reduce[0]:
@@ -104,7 +104,9 @@ def start_reduce(
         if averaging.scale_after != 1.0:
             segment.mul_(averaging.scale_after)
         # back in the gradients' own dtype, where stock rounds a wider communication dtype's sums
-        return segment.to(bucket.dtype) if segment.dtype != bucket.dtype else segment.clone()
+        if segment.dtype != bucket.dtype:
+            return segment.to(bucket.dtype)
+        return segment.clone() if copy else segment
 
     return Pending(finish, flat, blocks_host=pending.blocks_host, parts=[pending])
 
@@ -143,6 +145,7 @@ class OverlappedReducer:
         self.reduced_at: int | None = None
         self.params = list(params)
         self.in_flight: deque[tuple[int, Bucket, Pending]] = deque()
+        self.copy_segments = True  # False: ``deliver`` is done with a segment when it returns (no copy needed)
         self.observed: list[torch.nn.Parameter] | None = []  # None once the buckets follow backward's order
         self._use(buckets)
 
@@ -195,7 +198,7 @@ class OverlappedReducer:
         index = self.started
         bucket = self.buckets[index]
         self.started += 1
-        pending = start_reduce(bucket, self.comm, self.averaging, self.gradient_of)
+        pending = start_reduce(bucket, self.comm, self.averaging, self.gradient_of, self.copy_segments)
         self.in_flight.append((index, bucket, pending.describe_as(lambda: self.describe(index, bucket, "reduce"))))
         for param in self.releases[index]:
             self.release(param)

@@ -82,3 +82,5 @@ def start_reducers(
             step_of,
             boundary_of,
         )
+        # added into the owned gradients before deliver returns, unless ZeRO-Offload stages it to the host
+        domain.reducer.copy_segments = early is not None or shard.grads.host is not None

@@ -229,12 +229,11 @@ class MpiComm:
         return Pending(finish, host, mine)
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
-        mine = flat[self.rank * slot : (self.rank + 1) * slot].clone()  # queued before _host's stream sync
+        """In place: this rank's slot is sent from where it lies in ``flat`` (or its staged host copy), not copied
+        out first."""
         host = self._host(flat)
-        if host is not flat:  # staged: this rank's slot from the host copy
-            mine = host[self.rank * slot : (self.rank + 1) * slot].clone()
-        request = self.mpi.Iallgather(self._spec(mine), self._spec(host))
-        return Pending(self._completion(request, f"all-gather of {self.world_size} slots", host, flat, True), mine)
+        request = self.mpi.Iallgather(_mpi().IN_PLACE, self._spec(host))
+        return Pending(self._completion(request, f"all-gather of {self.world_size} slots", host, flat, True), host)
 
     def start_all_reduce(self, flat: torch.Tensor) -> Pending:
         MPI = _mpi()

@@ -8,7 +8,7 @@ import json
 import shlex
 
 from ds_tensorshard.bench import figure
-from ds_tensorshard.bench.runner import PHASES, add_arguments, command_line, markdown
+from ds_tensorshard.bench.runner import PHASES, add_arguments, command_line, markdown, of_rounds
 
 
 def bench_arguments(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +47,17 @@ def test_the_command_in_results_md_gives_back_the_run_arguments():
     assert vars(bench_arguments(shlex.split(command)[2:])) == vars(args)
     table = markdown([fake_results("ds_tensorshard (mpi)", 1.0)], args)
     assert table.splitlines()[0] == f"Command: `{command}`"
+
+
+def test_alternating_rounds_report_the_median_of_each_configurations_rounds():
+    args = bench_arguments(["--configs", "ts_torch", "ddp_zero", "--rounds", "3"])
+    assert args.rounds == 3 and "--rounds 3" in command_line(vars(args))
+    rounds = [fake_results("ds_tensorshard (torch)", s) for s in (0.9, 0.5, 0.6)]
+    merged = of_rounds(rounds)
+    assert (merged["step_s"], merged["cpu_s"], merged["step_s_rounds"]) == (0.6, 0.6, [0.9, 0.5, 0.6])
+    assert merged["reduce_s"] == 0.6 / len(PHASES)
+    table = markdown([merged], args)
+    assert "then of 3 alternating rounds" in table and "ds_tensorshard (torch) 0.900, 0.500, 0.600" in table
 
 
 def test_runs_merge_into_one_figure_with_the_commands_that_make_it(tmp_path):

@@ -135,7 +135,7 @@ def test_pack_and_views_roundtrip_with_missing_gradients():
 
 
 @pytest.mark.usefixtures("single_rank_world")
-def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monkeypatch):
+def test_one_reduce_per_owner_in_a_bucket_not_per_tensor_and_no_broadcast_at_one_rank(monkeypatch):
     calls = {"reduce": 0, "broadcast": 0}
     for name in calls:
         original = getattr(ds_tensorshard.transports.torch_comm.dist, name)
@@ -154,11 +154,14 @@ def test_one_reduce_and_one_broadcast_per_owner_in_a_bucket_not_per_tensor(monke
     }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert [b.numel for b in optimizer.buckets] == [150, 150, 132]
+    before = [p.detach().clone() for p in model.parameters()]
     for _ in range(2):  # the first backward also agrees on the order gradients arrive in (one broadcast)
         calls.update(reduce=0, broadcast=0)
         engine.backward(engine(torch.randn(2, 8)).sum())
         engine.step()
-    assert calls == {"reduce": 3, "broadcast": 3}
+    # the one rank owns every tensor and updates it in place: nothing to broadcast, the model updated all the same
+    assert calls == {"reduce": 3, "broadcast": 0}
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 @pytest.mark.usefixtures("single_rank_world")
@@ -258,3 +261,19 @@ def test_a_stripe_gathered_by_all_reduce_keeps_every_value_bit_for_bit():
     assert torch.equal(summed.view(torch.int32), torch.cat([a.data, b.data]).view(torch.int32))
     # with +0.0 the first of them would lose its sign
     assert not torch.equal((a.data + torch.zeros(4)).view(torch.int32), a.data.view(torch.int32))
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16])
+def test_pack_divides_into_the_bucket_as_a_division_after_the_concatenation_would(comm_dtype):
+    # each gradient divided into its place (same dtype) or concatenated then divided (a cast on the way): the same
+    # quotients bit for bit, a missing gradient zeros
+    ps = params((3, 5), (7,), (4,))
+    generator = torch.Generator().manual_seed(0)
+    ps[0].grad, ps[2].grad = torch.randn(3, 5, generator=generator), torch.randn(4, generator=generator)
+    (bucket,) = build_buckets(ps, whole({id(ps[0]): 0, id(ps[1]): 1, id(ps[2]): 0}), bucket_numel=100)
+    reference = bucket.pack(lambda p: p.grad, comm_dtype).div_(3.0)
+    packed = bucket.pack(lambda p: p.grad, comm_dtype, divisor=3.0)
+    assert packed.dtype == reference.dtype and torch.equal(
+        packed.view(torch.int16 if comm_dtype else torch.int32),
+        reference.view(torch.int16 if comm_dtype else torch.int32),
+    )

@@ -1,6 +1,7 @@
 """The α-β cost model against hand-computed cases: the formulas, stock ZeRO-2's buckets and chunks, both ways."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -137,9 +138,13 @@ def test_a_stripe_goes_by_all_reduce_exactly_below_the_size_where_the_tree_is_fa
     assert below == pytest.approx({8: 888_888.9}.get(n, below))
     assert stripe_collective(below * 0.999, n, NET) == tree_all_reduce(below * 0.999, n, NET)
     assert stripe_collective(below * 1.001, n, NET) == all_gather(below * 1.001, n, NET)
-    # a run that chose on another network is priced with its own threshold
-    assert tensorshard_stripes_cost(1000, n, n * 1000, NET, 1, all_reduce_under=0.0).seconds == pytest.approx(
+    # a run that chose on another network is priced with its own thresholds, each way its own
+    assert tensorshard_stripes_cost(1000, n, n * 1000, NET, 1, all_reduce_under=(0.0, 0.0)).seconds == pytest.approx(
         2 * sum(all_gather(n * 1000, n, NET)) + sum(all_reduce(4, n, NET))
+    )
+    mixed = tensorshard_stripes_cost(1000, n, n * 1000, NET, 1, all_reduce_under=(math.inf, 0.0))
+    assert mixed.seconds == pytest.approx(
+        sum(all_reduce(n * 1000, n, NET)) + sum(all_gather(n * 1000, n, NET)) + sum(all_reduce(4, n, NET))
     )
 
 

@@ -9,6 +9,7 @@ from ds_tensorshard.commands.models import preset_shapes
 from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.cost_model import (
     DEFAULT_NETWORK,
+    FABRICS,
     STOCK_REDUCE_BUCKET,
     all_gather,
     all_reduce,
@@ -115,37 +116,59 @@ def test_the_layout_key_accepts_auto_and_defaults_to_it():
         TensorShardConfig(bucket_layout="rows")
 
 
+def priced(choice, numels, owned, n, net, flat_numel=0):
+    """The choice's predicted time over stock ZeRO-2's at its defaults on ``net``, with the routes the run takes."""
+    routes = choice.routes(n)
+    under = (routes.reduce_below, routes.gather_below)
+    cost = tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, net, 2, under, flat_numel).seconds
+    return cost, stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, 2).seconds
+
+
 @pytest.mark.parametrize("preset", ["gpt2-small", "llama2-7b", "llama3-8b", "mixtral-8x7b"])
-def test_defaults_at_8_to_1024_ranks(preset):
-    """The table in docs/performance.md. Flat parameters, the default on accelerators: within stock's time at 8 to
-    1,024 ranks (stripes reduce, one collective of the storage gathers, as stock's one all-gather), the storage
-    padded as stock's flat group (slots of whole 2-element units), fewer than 2 x world-size elements. Where a run
-    cannot lay them flat (ZeRO-Offload, expert groups, whole-matrix optimizers: flat_choice), stripes: within
-    stock's time at 8 and 64 ranks, and GPT-2 small at every size (its stripes go as tree all-reduces from 256
-    ranks); the 7-47B models at 256 and 1,024 ranks are not (14-95 stripes within stock's 5e8-element bucket, each
-    reduced and gathered), so there the fewest buckets the cap allows."""
+def test_the_default_holds_on_both_fabrics_at_8_to_1024_ranks(preset):
+    """The table in docs/performance.md: flat parameters, the default on accelerators, within stock ZeRO-2's
+    predicted time at 8 to 1,024 ranks on the default network and on the slow one (--network 5,25), the run
+    knowing neither: one choice of bucket size and routes for both. Where no layout is below stock on both (GPT-2
+    small from 128 ranks, the 7-47B models from 512), stock's own collectives: one all-reduce per 5e8-element
+    bucket of gradients, one all-gather of the storage; the storage's tail (fewer than 2n elements, which stock's
+    all-reduce does not carry) is the only excess, 1.000004x at most."""
     shapes = preset_shapes(preset)
     numels = [math.prod(shape) for _, shape in shapes]
-    for n in (8, 64, 256, 1024):
-        stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, DEFAULT_NETWORK, 2).seconds
+    for n in (8, 16, 64, 128, 256, 512, 1024):
         flat = plan_flat(shapes, n)
         owned, flat_numel = flat.numel_per_rank, flat.flat_slot * n
         choice = choose_layout(TensorShardConfig(), {}, NCCL, numels, owned, 2, flat_numel)
-        bucket = choice.bucket_numel
-        ratio = tensorshard_stripes_cost(max(owned), n, bucket, DEFAULT_NETWORK, 2, flat_numel=flat_numel).seconds
-        assert choice.layout == "flat" and bucket <= STOCK_REDUCE_BUCKET and choice.why.startswith(FLAT_WHY)
-        assert ratio / stock <= 1.0 and 0 <= flat_numel - sum(numels) < 2 * n, (n, ratio / stock)
+        assert choice.layout == "flat" and choice.bucket_numel <= STOCK_REDUCE_BUCKET and FLAT_WHY in choice.why
+        assert 0 <= flat_numel - sum(numels) < 2 * n
+        for net in FABRICS:
+            cost, stock = priced(choice, numels, owned, n, net, flat_numel)
+            tail = 2 * (flat_numel - sum(numels)) * 2 / net.bandwidth(n)  # the tail's bytes, all-reduced
+            assert cost <= (stock + tail) * (1 + 1e-12), (n, net, cost / stock)  # (the sums' rounding)
+            fewest = -(-max(owned) // (choice.bucket_numel // n)) == -(-max(owned) // (STOCK_REDUCE_BUCKET // n))
+            assert cost / stock <= TARGET or fewest, (n, net, cost / stock)  # else the fewest the cap allows
+
+
+@pytest.mark.parametrize("preset", ["gpt2-small", "llama2-7b", "llama3-8b", "mixtral-8x7b"])
+def test_stripes_where_flat_is_ruled_out_at_8_to_1024_ranks(preset):
+    """Where a run cannot lay the parameters flat (ZeRO-Offload, expert groups, whole-matrix optimizers:
+    flat_choice), stripes: within stock's time on both fabrics at 8 and 64 ranks, GPT-2 small within 1.02x at 256
+    and 1,024; the 7-47B models there are not (14-95 stripes within stock's 5e8-element bucket, each reduced and
+    gathered), so there the fewest buckets the cap allows."""
+    shapes = preset_shapes(preset)
+    numels = [math.prod(shape) for _, shape in shapes]
+    for n in (8, 64, 256, 1024):
         owned = plan_ownership(shapes, n).numel_per_rank
         choice = choose_layout(TensorShardConfig(), {}, NCCL, numels, owned, 2)
         fullest, bucket = max(owned), choice.bucket_numel
-        ratio = tensorshard_stripes_cost(fullest, n, bucket, DEFAULT_NETWORK, 2).seconds / stock
+        worst = max(cost / stock for cost, stock in (priced(choice, numels, owned, n, net) for net in FABRICS))
         assert choice.layout == "stripes" and bucket <= STOCK_REDUCE_BUCKET, (n, bucket)
-        assert choice.routes(n) == StripeRoutes.for_wire(NCCL, n)
-        if n <= 64 or preset == "gpt2-small":
-            assert ratio <= 1.0, (n, ratio)
+        if n <= 64:
+            assert worst <= 1.0, (n, worst)
+        elif preset == "gpt2-small":
+            assert worst <= 1.02, (n, worst)
         else:
-            assert 1.2 < ratio < 1.4, (n, ratio)
-        if ratio > TARGET:  # the fewest stripes whose buffers fit in 5e8 elements
+            assert 1.2 < worst < 1.4, (n, worst)
+        if worst > TARGET:  # the fewest stripes whose buffers fit in 5e8 elements
             assert -(-fullest // (bucket // n)) == -(-fullest // (STOCK_REDUCE_BUCKET // n)), (n, bucket)
 
 
@@ -173,7 +196,8 @@ def test_stripes_on_accelerators_go_by_all_reduce_below_the_priced_size():
     assert "reduced by all-reduce below 3.7 MiB, else reduce-scatter" in choose(NCCL).why
     wide = StripeRoutes.for_wire(NCCL, 1024)
     assert wide.reduce_below == pytest.approx(9.6e-6 * 400e9 * (1023 - 20) * 1024 / 1025)
-    # a group of another size (an MoE expert group) takes its own: the dense group's choice routes 1,024 ranks'
+    # a group of another size (an MoE expert group) takes the default network's: the dense group's choice at 8
+    # ranks routes 1,024 ranks' and 4 ranks' by it
     assert choose(NCCL).routes(1024) == wide and choose(NCCL).routes(4) == StripeRoutes()
     # windows have no stripes to route
     assert choose(GLOO).routes(2) == StripeRoutes()

@@ -170,7 +170,7 @@ def stripes_by_all_reduce() -> None:
     accelerator the cost model takes that route only from 8 ranks)."""
     from ds_tensorshard.datapath import defaults
 
-    defaults.StripeRoutes.for_wire = classmethod(lambda cls, wire, n: cls(math.inf, math.inf))
+    defaults.LayoutChoice.routes = lambda self, n: defaults.StripeRoutes(math.inf, math.inf)
 
 
 def main() -> None:
