@@ -30,7 +30,10 @@ from ds_tensorshard.bench.configs import (
     LAYOUT_CONFIGS,
     MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
+    ONE_MODEL_CONFIGS,
+    PARAM_OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
+    STAGE3_CONFIGS,
     TWO_MODEL_CONFIGS,
     add_run_arguments,
     second_model_shape,
@@ -43,6 +46,12 @@ LABELS = {
     "zero2": "stock ZeRO-2",
     "ddp_zero": "DDP + ZeroRedundancyOptimizer",
     "fsdp2": "PyTorch FSDP2 (ZeRO-2 form)",
+    "fsdp2_reshard": "PyTorch FSDP2 (ZeRO-3 form, resharded after forward)",
+    "zero3": "stock ZeRO-3",
+    "ts3_torch": "ds_tensorshard stage 3 (torch)",
+    "ts3_mpi": "ds_tensorshard stage 3 (mpi)",
+    "zero3_offload_param": "stock ZeRO-3 + offload_param",
+    "ts3_offload_param": "ds_tensorshard stage 3 + offload_param",
     "ts_torch": "ds_tensorshard (torch)",
     "ts_mpi": "ds_tensorshard (mpi)",
     "zero2_offload": "stock ZeRO-2 + offload",
@@ -159,6 +168,20 @@ def summarize(config: str, ranks: list[dict]) -> dict[str, Any]:
     }
 
 
+def merge_rounds(rounds: list[dict]) -> dict[str, Any]:
+    """One configuration's rounds as one row: each time, byte count and operator count the median over the rounds
+    (``step_s_by_round`` keeps each round's step time), each rank's peak RSS its highest."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = dict(rounds[-1])
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and key != "world_size":
+            merged[key] = statistics.median(r[key] for r in rounds)
+    merged["peak_rss_bytes"] = [max(ranks) for ranks in zip(*(r["peak_rss_bytes"] for r in rounds))]
+    merged["step_s_by_round"] = [r["step_s"] for r in rounds]
+    return merged
+
+
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
     """``results.md``: what was run, the table of every configuration, the notes, and the step-time ratios."""
     lines = [
@@ -166,7 +189,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         "",
         f"{_models_line(args)} {results[0]['numel'] / 1e6:.1f}M {'trainable ' if args.model == 'lora' else ''}"
         f"parameters; global batch {args.global_batch} x {args.seq} tokens; {args.ranks} ranks; {args.dtype}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up. "
+        f"median of {args.steps} steps after {args.warmup} warm-up{_rounds_phrase(args.rounds)}. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
         "",
         "| configuration | step s | fwd+bwd | reduce | optimizer | gather | CPU s | peak RSS/rank MiB | "
@@ -197,6 +220,10 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rounds_phrase(rounds: int) -> str:
+    return f", in each of {rounds} alternating rounds, then the median over the rounds" if rounds > 1 else ""
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
@@ -225,6 +252,12 @@ def _notes(results: list[dict]) -> list[str]:
         "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
         "is on the host, so only the scalar reads), on one more, untimed step, the rank with the most.",
     ]
+    if "step_s_by_round" in results[0]:
+        lines += [
+            "",
+            "Step s of each round: "
+            + "; ".join(f"{r['label']} {'/'.join(f'{s:.3f}' for s in r['step_s_by_round'])}" for r in results),
+        ]
     if any(r["host_bytes_per_rank"] for r in results):
         lines += [
             "",
@@ -285,12 +318,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS,
-        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}, the bf16 "
+        choices=ONE_MODEL_CONFIGS + TWO_MODEL_CONFIGS,
+        help=f"one-model configurations (default: all but ZeRO stage 3's {', '.join(STAGE3_CONFIGS)} and with "
+        f"offload_param {', '.join(PARAM_OFFLOAD_CONFIGS)}, ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}, the bf16 "
         f"masters' {', '.join(MASTER_CONFIGS)} and the explicit bucket layouts {', '.join(LAYOUT_CONFIGS)}) or "
         f"two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configurations K times, alternating (each one's first run, then each one's second, ...); "
+        "medians over the rounds reported, peak RSS the highest",
+    )
     add_run_arguments(parser)
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per configuration")
     parser.add_argument("--out", default="bench_results")
@@ -330,12 +371,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from ds_tensorshard.commands.progress import bar as progress_bar
 
-    results = []
-    with progress_bar(len(args.configs), "bench", "config") as bar:  # silent when stdout is not a terminal
-        for config in args.configs:
-            bar.set_postfix_str(LABELS[config])
-            results.append(summarize(config, run_config(config, args, raw_dir)))
-            bar.update(1)
+    rounds: dict[str, list[dict]] = {config: [] for config in args.configs}
+    with progress_bar(len(args.configs) * args.rounds, "bench", "config") as bar:  # silent unless on a terminal
+        for index in range(args.rounds):  # the configurations alternate: round 1 of each, then round 2, ...
+            round_dir = os.path.join(raw_dir, f"round{index + 1}") if args.rounds > 1 else raw_dir
+            os.makedirs(round_dir, exist_ok=True)
+            for config in args.configs:
+                bar.set_postfix_str(LABELS[config])
+                rounds[config].append(summarize(config, run_config(config, args, round_dir)))
+                bar.update(1)
+    results = [merge_rounds(rounds[config]) for config in args.configs]
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"arguments": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, f, indent=2)
     table = markdown(results, args)
