@@ -132,7 +132,7 @@ def main() -> None:
         "world_size": world,
         "steps": rows,
         "losses_by_step": losses_by_step,
-        "numel": sum(p.numel() for m in setup.models for p in trainable(m)),
+        "numel": sum(getattr(p, "ds_numel", p.numel()) for m in setup.models for p in trainable(m)),  # stage 3
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "optimizer_state_bytes": setup.state_bytes(),
     }

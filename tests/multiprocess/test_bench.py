@@ -230,16 +230,18 @@ def test_bench_bf16_master_rows_report_bytes_per_parameter(tmp_path):
 def test_bench_stage3_rows_train_as_stock_zero3_in_alternating_rounds(tmp_path):
     """ZeRO stage 3 side by side, two alternating rounds: stock ZeRO-3, FSDP2 resharding after forward and
     ds_tensorshard's stage 3 on both transports and with offload_param train the same losses (ours bit for bit
-    stock's at 2 ranks); ours hold AdamW's moments only, each tensor's on one rank, stock its fp32 partition too."""
+    stock's at 2 ranks; FSDP2's AdamW the same after one step); ours hold AdamW's moments only, each tensor's on
+    one rank, stock its fp32 partition too."""
     configs = ("zero3", "fsdp2_reshard", "ts3_torch", "ts3_mpi", "zero3_offload_param", "ts3_offload_param")
-    proc = bench(*TINY, "--configs", *configs, "--rounds", "2", "--out", str(tmp_path))
+    wide = ["--layers", "1", "--width", "256", "--vocab", "128", "--steps", "2", "--warmup", "1"]  # some gathered
+    proc = bench(*wide, "--configs", *configs, "--rounds", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
     assert set(results) == set(configs)
     for name, r in results.items():
         assert len(r["step_s_by_round"]) == 2 and len(r["peak_rss_bytes"]) == 2 and r["step_s"] > 0, name
-        for loss, reference in zip(r["losses_by_step"], results["zero3"]["losses_by_step"]):
-            assert abs(loss[0] - reference[0]) <= TOLERANCE["fp32"]["loss"], (name, loss, reference)
+        for loss, reference in zip(r["losses_by_step"][:2], results["zero3"]["losses_by_step"]):  # FSDP2: AdamW
+            assert abs(loss[0] - reference[0]) <= TOLERANCE["fp32"]["loss"], (name, loss, reference)  # after step 0
     for name in ("ts3_torch", "ts3_mpi", "ts3_offload_param"):
         assert results[name]["losses_by_step"] == results["zero3"]["losses_by_step"], name
         assert results[name]["optimizer_state_bytes_total"] == 2 * 4 * results[name]["numel"], name
