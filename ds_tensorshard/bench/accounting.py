@@ -14,9 +14,10 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
     """Optimizer state held beyond the model's own tensors."""
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2: this rank's shard)
     model_storage = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    model_storage |= {p.ds_tensor.untyped_storage().data_ptr() for p in model.parameters() if hasattr(p, "ds_tensor")}
     if name == "ddp_zero":
         tensors = [t for s in optimizer.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    elif name == "fsdp2":
+    elif name in ("fsdp2", "fsdp2_reshard"):
         tensors = [local(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     else:
         inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
@@ -25,6 +26,8 @@ def state_bytes(name: str, optimizer, model: torch.nn.Module) -> int:
             tensors += [m for g in optimizer.param_groups for m in g["params"]]
         elif name in ("zero1", "zero2", "zero2_offload", "two_zero2", "zero2_bf16_masters"):
             tensors += list(optimizer.single_partition_of_fp32_groups)
+        elif name in ("zero3", "zero3_offload_param"):
+            tensors += list(optimizer.fp32_partitioned_groups_flat)
     return sum(t.numel() * t.element_size() for t in tensors if t.untyped_storage().data_ptr() not in model_storage)
 
 

@@ -15,6 +15,10 @@ TWO_MODEL_CONFIGS = ("two_zero2", "two_ts_separate", "two_ts_joint")
 OFFLOAD_CONFIGS = ("zero2_offload", "ts_offload", "ts_offload_mpi")
 # bf16.bf16_master_weights_and_grads and bf16_optimizer_states (stage 2, no offload; --dtype bf16 only)
 MASTER_CONFIGS = ("zero2_bf16_masters", "ts_bf16_masters")
+# ZeRO stage 3: stock's, FSDP2 resharding after forward, and ds_tensorshard's (parameters owned whole) on each
+# transport; then both with offload_param (device cpu)
+STAGE3_CONFIGS = ("zero3", "fsdp2_reshard", "ts3_torch", "ts3_mpi")
+PARAM_OFFLOAD_CONFIGS = ("zero3_offload_param", "ts3_offload_param")
 # ds_tensorshard with each bucket_layout set explicitly (ts_torch and ts_mpi take the default, "auto")
 LAYOUT_CONFIGS = (
     "ts_torch_windows",
@@ -32,13 +36,17 @@ SHARDED = (
     "two_ts_separate",
     "two_ts_joint",
     "ts_bf16_masters",
+    "ts3_torch",
+    "ts3_mpi",
+    "ts3_offload_param",
     *LAYOUT_CONFIGS,
 )  # ds_tensorshard's
-MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes", "ts_mpi_flat")
+MPI_CONFIGS = ("ts_mpi", "ts_offload_mpi", "ts_mpi_windows", "ts_mpi_stripes", "ts_mpi_flat", "ts3_mpi")
+ONE_MODEL_CONFIGS = CONFIGS + STAGE3_CONFIGS + PARAM_OFFLOAD_CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS
 
 
 def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: str = "adamw") -> dict:
-    stage = 0 if name == "stage0" else 1 if name == "zero1" else 2
+    stage = {"stage0": 0, "zero1": 1}.get(name, 3 if name in STAGE3_CONFIGS + PARAM_OFFLOAD_CONFIGS else 2)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -55,6 +63,8 @@ def ds_config(name: str, micro: int, dtype: str, bucket: int | None, optimizer: 
         config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     if name in OFFLOAD_CONFIGS:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if name in PARAM_OFFLOAD_CONFIGS:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if name in SHARDED:
         config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if name in MPI_CONFIGS else "torch"}
     if name in LAYOUT_CONFIGS:

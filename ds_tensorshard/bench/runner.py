@@ -31,8 +31,11 @@ from ds_tensorshard.bench.configs import (
     LAYOUT_CONFIGS,
     MASTER_CONFIGS,
     OFFLOAD_CONFIGS,
+    ONE_MODEL_CONFIGS,
+    PARAM_OFFLOAD_CONFIGS,
     RUN_ARGUMENTS,
     SHARDED,
+    STAGE3_CONFIGS,
     TWO_MODEL_CONFIGS,
     add_run_arguments,
     second_model_shape,
@@ -45,6 +48,12 @@ LABELS = {
     "zero2": "stock ZeRO-2",
     "ddp_zero": "DDP + ZeroRedundancyOptimizer",
     "fsdp2": "PyTorch FSDP2 (ZeRO-2 form)",
+    "fsdp2_reshard": "PyTorch FSDP2 (ZeRO-3 form, resharded after forward)",
+    "zero3": "stock ZeRO-3",
+    "ts3_torch": "ds_tensorshard stage 3 (torch)",
+    "ts3_mpi": "ds_tensorshard stage 3 (mpi)",
+    "zero3_offload_param": "stock ZeRO-3 + offload_param",
+    "ts3_offload_param": "ds_tensorshard stage 3 + offload_param",
     "ts_torch": "ds_tensorshard (torch)",
     "ts_mpi": "ds_tensorshard (mpi)",
     "zero2_offload": "stock ZeRO-2 + offload",
@@ -170,12 +179,14 @@ def summarize(config: str, ranks: list[dict], baseline: bool = False) -> dict[st
 
 def of_rounds(rounds: list[dict]) -> dict[str, Any]:
     """One configuration's summaries over alternating rounds as one: the last round's, with each time (step, CPU,
-    phases) the median of the rounds' and every round's step time beside it (``step_s_rounds``)."""
+    phases) the median of the rounds' and every round's step time beside it (``step_s_rounds``), each rank's peak
+    RSS its highest."""
     times = ("step_s", "cpu_s", *PHASES)
     return {
         **rounds[-1],
         **{key: statistics.median(r[key] for r in rounds) for key in times},
         "step_s_rounds": [r["step_s"] for r in rounds],
+        "peak_rss_bytes": [max(ranks) for ranks in zip(*(r["peak_rss_bytes"] for r in rounds))],
     }
 
 
@@ -253,6 +264,12 @@ def _notes(results: list[dict]) -> list[str]:
         "among them (scalar reads, `aten._local_scalar_dense`, and device-to-host copies; on CPU ranks every tensor "
         "is on the host, so only the scalar reads), on one more, untimed step, the rank with the most.",
     ]
+    if "step_s_by_round" in results[0]:
+        lines += [
+            "",
+            "Step s of each round: "
+            + "; ".join(f"{r['label']} {'/'.join(f'{s:.3f}' for s in r['step_s_by_round'])}" for r in results),
+        ]
     if any(r["host_bytes_per_rank"] for r in results):
         lines += [
             "",
@@ -313,8 +330,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--configs",
         nargs="+",
         default=list(CONFIGS),
-        choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS,
-        help=f"one-model configurations (default: all but ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}, the bf16 "
+        choices=ONE_MODEL_CONFIGS + TWO_MODEL_CONFIGS,
+        help=f"one-model configurations (default: all but ZeRO stage 3's {', '.join(STAGE3_CONFIGS)} and with "
+        f"offload_param {', '.join(PARAM_OFFLOAD_CONFIGS)}, ZeRO-Offload's {', '.join(OFFLOAD_CONFIGS)}, the bf16 "
         f"masters' {', '.join(MASTER_CONFIGS)} and the explicit bucket layouts {', '.join(LAYOUT_CONFIGS)}) or "
         f"two-model ones ({', '.join(TWO_MODEL_CONFIGS)}), not both in one run",
     )

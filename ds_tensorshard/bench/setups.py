@@ -40,16 +40,17 @@ def build_model(args: argparse.Namespace, shape: dict) -> torch.nn.Module:
     return GPT(vocab=args.vocab, seq=args.seq, **shape)
 
 
-def build_fsdp2(model: torch.nn.Module, world: int, device: torch.device) -> Setup:
-    """PyTorch FSDP2 in its ZeRO-2 form: ``fully_shard`` on every block and on the root, parameters kept
-    unsharded from forward through backward (``reshard_after_forward=False``), AdamW on the sharded ones."""
+def build_fsdp2(model: torch.nn.Module, world: int, device: torch.device, reshard: bool = False) -> Setup:
+    """PyTorch FSDP2: ``fully_shard`` on every block and on the root, AdamW on the sharded parameters. Its ZeRO-2
+    form keeps them unsharded from forward through backward (``reshard_after_forward=False``); with ``reshard``,
+    its ZeRO-3 form, each block's are sharded again after its forward and gathered again for its backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
     for block in model.get_submodule("blocks").children():
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-4, weight_decay=0.01)
 
     def train(tokens: torch.Tensor) -> list[float]:
@@ -61,7 +62,7 @@ def build_fsdp2(model: torch.nn.Module, world: int, device: torch.device) -> Set
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Setup([model], train, step, lambda: state_bytes("fsdp2", optimizer, model))
+    return Setup([model], train, step, lambda: state_bytes("fsdp2_reshard" if reshard else "fsdp2", optimizer, model))
 
 
 def build_ddp(model: torch.nn.Module, world: int, clock: Clock) -> Setup:

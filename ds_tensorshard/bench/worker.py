@@ -22,15 +22,7 @@ import torch
 import torch.distributed as tdist
 
 from ds_tensorshard.bench.clock import Clock
-from ds_tensorshard.bench.configs import (
-    CONFIGS,
-    LAYOUT_CONFIGS,
-    MASTER_CONFIGS,
-    OFFLOAD_CONFIGS,
-    TWO_MODEL_CONFIGS,
-    add_run_arguments,
-    second_model_shape,
-)
+from ds_tensorshard.bench.configs import ONE_MODEL_CONFIGS, TWO_MODEL_CONFIGS, add_run_arguments, second_model_shape
 from ds_tensorshard.bench.setups import (
     Setup,
     build_ddp,
@@ -45,9 +37,7 @@ from ds_tensorshard.bench.traffic import SENT, count_mpi_collectives, count_torc
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "config", choices=CONFIGS + OFFLOAD_CONFIGS + MASTER_CONFIGS + LAYOUT_CONFIGS + TWO_MODEL_CONFIGS
-    )
+    parser.add_argument("config", choices=ONE_MODEL_CONFIGS + TWO_MODEL_CONFIGS)
     parser.add_argument("out")
     add_run_arguments(parser)
     parser.add_argument("--port", type=int, default=29500)
@@ -77,9 +67,12 @@ def build(args: argparse.Namespace, micro: int, world: int, device: torch.device
         shapes.append(second_model_shape(args.width, args.layers))
     models = [build_model(args, shape).to(device) for shape in shapes]
     clock = Clock.of_gathers()
-    if args.config in ("ddp_zero", "fsdp2"):
+    if args.config in ("ddp_zero", "fsdp2", "fsdp2_reshard"):
         model = models[0].to(torch.bfloat16) if args.dtype == "bf16" else models[0]
-        setup = build_ddp(model, world, clock) if args.config == "ddp_zero" else build_fsdp2(model, world, device)
+        if args.config == "ddp_zero":
+            setup = build_ddp(model, world, clock)
+        else:
+            setup = build_fsdp2(model, world, device, reshard=args.config == "fsdp2_reshard")
     else:
         setup = build_deepspeed(args.config, models, micro, args, clock)
     return setup, clock
@@ -139,7 +132,7 @@ def main() -> None:
         "world_size": world,
         "steps": rows,
         "losses_by_step": losses_by_step,
-        "numel": sum(p.numel() for m in setup.models for p in trainable(m)),
+        "numel": sum(getattr(p, "ds_numel", p.numel()) for m in setup.models for p in trainable(m)),  # stage 3
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "optimizer_state_bytes": setup.state_bytes(),
     }

@@ -27,7 +27,7 @@ import torch
 
 from ds_tensorshard.datapath.plan import Block
 from ds_tensorshard.parameters.zero_param import ZeroParam
-from ds_tensorshard.transports.protocol import Pending, Span, Transport
+from ds_tensorshard.transports.protocol import Pending, Span, Transport, all_of
 
 
 @dataclass
@@ -89,19 +89,36 @@ class GatherInFlight:
 def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:
     """Start gathering ``params`` (one dtype, the batch's order on every rank): this rank's blocks (its
     ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner
-    (``layout.summed``: one all-reduce, the rest of the buffer -0.0)."""
+    (``layout.summed``: one all-reduce, the rest of the buffer -0.0). Where this rank's span is one tensor it owns
+    whole where it computes, and the batch goes by broadcasts, that tensor is broadcast as it is: nothing copied
+    (the gathered parameter is that tensor on this rank, the span is never read)."""
     if layout.summed:
         flat = torch.full((layout.numel,), -0.0, dtype=params[0].dtype, device=comm.device)
     else:
         flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)
+    own = None
     if layout.mine:
         sources = [params[index].ds_tensor.view(-1) for index, _ in layout.mine]
         first = layout.mine[0][1]
         span = flat[first : first + sum(s.numel() for s in sources)]
-        if len(sources) == 1:
+        if len(sources) == 1 and not layout.summed and _sendable_as_is(params[layout.mine[0][0]], sources[0], flat):
+            own = sources[0]
+        elif len(sources) == 1:
             span.copy_(sources[0])
         else:
             torch.cat([s.to(device=flat.device, dtype=flat.dtype) for s in sources], out=span)
     if layout.summed:
         return GatherInFlight(params, layout, flat, comm.start_all_reduce(flat))
-    return GatherInFlight(params, layout, flat, comm.start_broadcast_segments(flat, layout.spans))
+    if own is None:
+        return GatherInFlight(params, layout, flat, comm.start_broadcast_segments(flat, layout.spans))
+    pending = [
+        comm.start_broadcast(own if owner == comm.rank else flat[offset : offset + numel], owner)
+        for owner, offset, numel in layout.spans
+    ]
+    return GatherInFlight(params, layout, flat, all_of(pending, flat, own))
+
+
+def _sendable_as_is(param: ZeroParam, source: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether ``source`` (this rank's ``ds_tensor`` of ``param``) is the whole tensor, where and as ``flat`` is:
+    then the gathered parameter is ``source`` itself on this rank, and ``flat``'s span of it is never read."""
+    return len(param.ts_blocks) == 1 and source.device == flat.device and source.dtype == flat.dtype

@@ -224,3 +224,29 @@ def test_bench_bf16_master_rows_report_bytes_per_parameter(tmp_path):
     assert "opt. state bytes/param" in (tmp_path / "results.md").read_text()
     refused = bench(*TINY, "--configs", "ts_bf16_masters", "--out", str(tmp_path / "fp32"))
     assert refused.returncode != 0 and "bf16 master weights need --dtype bf16" in refused.stdout + refused.stderr
+
+
+@pytest.mark.extended
+def test_bench_stage3_rows_train_as_stock_zero3_in_alternating_rounds(tmp_path):
+    """ZeRO stage 3 side by side, two alternating rounds: stock ZeRO-3, FSDP2 resharding after forward and
+    ds_tensorshard's stage 3 on both transports and with offload_param train the same losses (ours bit for bit
+    stock's at 2 ranks; FSDP2's AdamW the same after one step); ours hold AdamW's moments only, each tensor's on
+    one rank, stock its fp32 partition too."""
+    configs = ("zero3", "fsdp2_reshard", "ts3_torch", "ts3_mpi", "zero3_offload_param", "ts3_offload_param")
+    wide = ["--layers", "1", "--width", "256", "--vocab", "128", "--steps", "2", "--warmup", "1"]  # some gathered
+    proc = bench(*wide, "--configs", *configs, "--rounds", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {r["config"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert set(results) == set(configs)
+    for name, r in results.items():
+        assert len(r["step_s_by_round"]) == 2 and len(r["peak_rss_bytes"]) == 2 and r["step_s"] > 0, name
+        for loss, reference in zip(r["losses_by_step"][:2], results["zero3"]["losses_by_step"]):  # FSDP2: AdamW
+            assert abs(loss[0] - reference[0]) <= TOLERANCE["fp32"]["loss"], (name, loss, reference)  # after step 0
+    for name in ("ts3_torch", "ts3_mpi", "ts3_offload_param"):
+        assert results[name]["losses_by_step"] == results["zero3"]["losses_by_step"], name
+        assert results[name]["optimizer_state_bytes_total"] == 2 * 4 * results[name]["numel"], name
+        assert results[name]["optimizer_state_bytes_fullest"] <= 1.05 * results[name]["numel"] * 4 + 8 * 4096
+    assert results["zero3"]["optimizer_state_bytes_total"] == 3 * 4 * results["zero3"]["numel"]
+    assert len(list((tmp_path / "raw" / "round2").glob("*.json"))) == 2 * len(configs)
+    table = (tmp_path / "results.md").read_text()
+    assert "ds_tensorshard stage 3 (mpi)" in table and "2 alternating rounds" in table and "Step s of each" in table

@@ -94,6 +94,22 @@ def test_step_operators_do_not_grow_with_the_tensor_count(tmp_path, emulated):
     assert ours["host_syncs_per_iteration"] <= stock["host_syncs_per_iteration"], (ours, stock)
 
 
+@pytest.mark.extended  # CI time: about 3 min each (4 runs of the 1,000-layer model at 2 ranks)
+@pytest.mark.parametrize("persistence", [None, 0], ids=["defaults", "threshold0"])
+def test_stage3_lora_iteration_dispatches_at_most_stock_zero3s(tmp_path, persistence):
+    """ZeRO stage 3 on the LoRA-like model's 2,000 trained tensors (and 1,000 frozen ones), 2 ranks on the CPU,
+    at the defaults (every tensor below stage3_param_persistence_threshold: kept on every rank) and with the
+    threshold 0 (every tensor gathered around its module): on every rank one engine.step() and one whole
+    iteration dispatch at most stock ZeRO-3's ATen operators and host syncs, with the same losses."""
+    env = {"PROBE_STAGE": "3"} | ({} if persistence is None else {"PROBE_PERSISTENCE": str(persistence)})
+    ours, stock = (run("lora-ops", tmp_path / mode, 2, False, mode, env) for mode in ("ts", "stock"))
+    for rank in range(2):
+        assert ours[rank]["tensors"] == 2000, ours[rank]
+        for key in ("aten_ops_per_step", "host_syncs_per_step", "aten_ops_per_iteration", "host_syncs_per_iteration"):
+            assert ours[rank][key] <= stock[rank][key], (key, rank, ours[rank], stock[rank])
+        assert ours[rank]["losses"] == stock[rank]["losses"], (ours[rank], stock[rank])
+
+
 def test_on_emulated_cuda_a_step_dispatches_no_operator_per_tensor(tmp_path):
     """The step path by buffer on emulated CUDA, in the default suite (the 2,000-tensor count against stock is its
     ``extended`` twin above): one engine.step() of the LoRA-like model with 100 and with 300 adapted layers (200 and

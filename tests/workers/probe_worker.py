@@ -12,7 +12,8 @@ recorded with whether it blocks the host and whether it ran inside a gradient ho
 ZeRO stage ``PROBE_STAGE`` (default 2):
 seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
-``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage 2, both sides at
+``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage ``PROBE_STAGE``
+(default 2; at 3 ``PROBE_PERSISTENCE`` sets ``stage3_param_persistence_threshold``), both sides otherwise at
 their defaults: the ATen operators and host syncs of the second ``engine.step()``, of its backward and of its
 whole iteration, the model's own forward and backward before any engine (``model_ops``), what backward
 dispatched beyond those (``extra_backward``, by name), the losses, and on a GPU the median seconds of 3 more
@@ -263,7 +264,9 @@ def lora_ops(rank: int, world: int, mode: str) -> dict:
     with OpCounter() as bare_backward:
         loss.backward()
     model.zero_grad(set_to_none=True)
-    config = at_defaults(ds_config("fp32", mode, 2, world), world)
+    config = at_defaults(ds_config("fp32", mode, int(os.environ.get("PROBE_STAGE", "2")), world), world)
+    if "PROBE_PERSISTENCE" in os.environ:  # stage 3: stage3_param_persistence_threshold (0: every tensor gathered)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = int(os.environ["PROBE_PERSISTENCE"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     tokens = tokens.to(engine.device)  # a model built on the host (a GPU run) is on the device now
     losses = []
