@@ -94,6 +94,16 @@ def test_trains_as_stock_zero3(runs, variant):
     assert_trains_as_stock(runs, variant)
 
 
+@pytest.mark.parametrize("variant", DEFAULT)
+def test_parameter_attributes_are_stocks(runs, variant):
+    """Right after construction each parameter's ``ds_shape``, ``ds_numel``, ``ds_status`` (released),
+    ``ds_persist``, ``ds_id`` order, ``is_external_param``, active modules and ``.shape`` (empty) are stock's."""
+    for rank in range(N):
+        ours, stock = runs(case("ts", variant), rank)["surface"], runs(case("stock", variant), rank)["surface"]
+        assert ours == stock, variant
+        assert all(facts[2] == "NOT_AVAILABLE" and facts[-1] == (0,) for facts in ours.values()), variant
+
+
 def test_modifier_rank_writes_back_to_every_rank(runs):
     """``GatheredParameters(params, modifier_rank=0)``: rank 0's values (every other rank wrote -1) are what every
     rank gathers afterwards, as stock's; the training after it is checked by test_trains_as_stock_zero3."""

@@ -10,7 +10,7 @@ CASE = MODE[:VARIANT]; MODE ``stock`` or ``ts``; VARIANT a ``+``-joined set of :
   the other ranks write garbage (stock broadcasts rank 0's on exit);
 - ``module``: the model built outside, then ``deepspeed.zero.Init(module=model, config_dict_or_path=config)``;
 - ``remote``: ``zero.Init(remote_device="cpu", pin_memory=True, ...)``;
-- ``nested``: a ``zero.Init`` inside another (both with the config), the blocks built in the inner one;
+- ``nested``: the model built in a ``zero.Init`` inside another, the inner one given the config as a JSON file's path;
 - ``external``: the model's ``lm_scale`` module reads the embedding's weight in its forward, registered with
   ``deepspeed.zero.register_external_parameter`` in ``__init__``;
 - ``bf16``: the bf16 config (zero.Init builds the parameters in bf16);
@@ -25,8 +25,10 @@ training's losses and norms (stage3_worker's ``train``), and the parameters gath
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import tempfile
 
 import deepspeed
 import torch
@@ -103,9 +105,36 @@ def build(flags: set[str], config: dict) -> nn.Module:
         return model
     kwargs: dict = {"remote_device": "cpu", "pin_memory": True} if "remote" in flags else {}
     with deepspeed.zero.Init(config_dict_or_path=config, **kwargs):
-        inner = deepspeed.zero.Init(config_dict_or_path=config) if "nested" in flags else contextlib.nullcontext()
-        with inner:
+        nested = "nested" in flags
+        with deepspeed.zero.Init(config_dict_or_path=as_file(config)) if nested else contextlib.nullcontext():
             return ZeroInitGPT(external)
+
+
+def surface(model: nn.Module) -> dict[str, tuple]:
+    """What the frameworks read of each parameter: ``ds_shape``, ``ds_numel``, ``ds_status``, ``ds_persist``,
+    ``ds_id`` (from the model's first), ``is_external_param``, how many modules use it now, and ``.shape``."""
+    named = dict(model.named_parameters())
+    first = min(p.ds_id for p in named.values())
+    return {
+        name: (
+            tuple(p.ds_shape),
+            p.ds_numel,
+            p.ds_status.name,
+            p.ds_persist,
+            p.ds_id - first,
+            p.is_external_param,
+            len(p.ds_active_sub_modules),
+            tuple(p.shape),
+        )
+        for name, p in named.items()
+    }
+
+
+def as_file(config: dict) -> str:
+    """``config`` written to a JSON file of its own; its path."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    return f.name
 
 
 @torch.no_grad()
@@ -138,6 +167,7 @@ def run_case(case: str, out_dir: str) -> None:
     result: dict = {"built": holdings(model), "initial": gathered(model)}
     result["built_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     result["owned"] = sum(getattr(p, "ts_owned", None) is not None for p in model.parameters())
+    result["surface"] = surface(model)
     if "modify" in flags:
         result["written"] = modify(model, rank)
         result["modified"] = gathered(model)
