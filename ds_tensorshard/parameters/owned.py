@@ -133,7 +133,9 @@ class OwnedParameters:
     @torch.no_grad()
     def move(self, params: list[ZeroParam], blocks: list[tuple[Block, ...]]) -> None:
         """Give ``params`` (released, in ``ds_id`` order on every rank) new owners ``blocks``: each is gathered from
-        its owners now, then kept by its new ones; a batch of at most :data:`MOVE_NUMEL` elements at a time."""
+        its owners now, then kept by its new ones; a batch of at most :data:`MOVE_NUMEL` elements at a time. The
+        gather layouts made before (``GatheredParameters`` while loading a model built under ``zero.Init``) name
+        the old owners: they are dropped."""
         start = 0
         while start < len(params):
             stop, numel = start, 0
@@ -146,6 +148,7 @@ class OwnedParameters:
                 param.ts_blocks, param.ds_tensor = new, None
                 self.keep(param, has_been_updated=False, free_data=True)
             start = stop
+        self._layouts.clear()
 
     # -- gather ---------------------------------------------------------------------------------------
     def start(self, params: list[ZeroParam]) -> OwnedGather:

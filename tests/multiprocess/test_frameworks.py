@@ -14,6 +14,7 @@ The first run installs the ``frameworks`` extra into this venv when it is missin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import sys
 import pytest
 import torch
 
+from ds_tensorshard.examples.framework_common import VOCAB
 from tests.helpers import ROOT
 from tests.helpers.compare import ACROSS_WORLDS
 from tests.helpers.ranks import TIMEOUT_S, free_port, launcher_env, run_in_group, run_ranks
@@ -69,14 +71,19 @@ def record(where: str, loss: float, param: float) -> None:
             f.write(json.dumps({"run": where, "loss": loss, "param": param}) + "\n")
 
 
-def check_framework(name: str, run, tmp_path, resume_ranks: int = RESUME_RANKS) -> None:
-    """stock ZeRO-2 and ds_tensorshard on 2 ranks, saving at step 3; stock resumed through the framework on
-    the same 2 ranks, ds_tensorshard resumed through it on 3 ranks: the two resumed runs agree."""
+STAGE2_CLASSES = ("DeepSpeedZeroOptimizer", "TensorShardOptimizer")
+STAGE3_CLASSES = ("DeepSpeedZeroOptimizer_Stage3", "TensorShardStage3Optimizer")
+
+
+def check_framework(name: str, run, tmp_path, resume_ranks: int = RESUME_RANKS, stage: int = 2) -> None:
+    """stock ZeRO-2 (or ZeRO-3) and ds_tensorshard on 2 ranks, saving at step 3; stock resumed through the
+    framework on the same 2 ranks, ds_tensorshard resumed through it on 3 ranks: the two resumed runs agree."""
     stock, ours, stock_resumed, resumed = (run(mode, tmp_path) for mode in ("stock", "ts", "stock_resume", "ts_resume"))
-    assert stock["optimizer_class"] == stock_resumed["optimizer_class"] == "DeepSpeedZeroOptimizer"
-    assert ours["optimizer_class"] == resumed["optimizer_class"] == "TensorShardOptimizer"
+    stock_class, our_class = STAGE3_CLASSES if stage == 3 else STAGE2_CLASSES
+    assert stock["optimizer_class"] == stock_resumed["optimizer_class"] == stock_class
+    assert ours["optimizer_class"] == resumed["optimizer_class"] == our_class
     assert sorted(ours["losses"]) == list(range(1, 7))
-    assert_same_run(ours, stock, f"{name}: ds_tensorshard vs stock ZeRO-2, 2 ranks")
+    assert_same_run(ours, stock, f"{name}: ds_tensorshard vs stock ZeRO-{stage}, 2 ranks")
     assert {4, 5, 6} <= set(resumed["losses"]), resumed["losses"]  # (HF keeps the restored history of 1-3 too)
     assert_same_run(resumed, stock_resumed, f"{name}: resumed on {resume_ranks} ranks vs stock resumed on 2", [4, 5, 6])
     drift = max(abs(stock_resumed["losses"][s] - stock["losses"][s]) for s in (4, 5, 6))
@@ -88,10 +95,11 @@ def load(path) -> dict:
 
 
 # -- HF Trainer ------------------------------------------------------------------------------------
-def hf_run(mode: str, tmp_path) -> dict:
+def hf_run(mode: str, tmp_path, stage: int = 2) -> dict:
     stock = mode.startswith("stock")
     saved, results = tmp_path / ("stock" if stock else "ts"), tmp_path / f"hf_{mode}.pt"
-    args = ["-m", "ds_tensorshard.examples.hf_trainer", "--results", str(results)] + (["--stock"] if stock else [])
+    args = ["-m", "ds_tensorshard.examples.hf_trainer", "--results", str(results), "--stage", str(stage)]
+    args += ["--stock"] if stock else []
     ranks = 2
     if mode.endswith("resume"):
         args += ["--resume", str(saved / "checkpoint-3"), "--out", str(tmp_path / f"{mode}_out")]
@@ -113,6 +121,25 @@ def hf_run(mode: str, tmp_path) -> dict:
 
 def test_hf_trainer(tmp_path):
     check_framework("HF Trainer", hf_run, tmp_path)
+
+
+def test_hf_trainer_stage3_from_pretrained(tmp_path):
+    """ZeRO-3 as HF users run it: the guide's ZeRO-3 config ("auto" values), ``from_pretrained`` of a saved tiny
+    GPT-2 (built inside ``deepspeed.zero.Init``, loaded through ``GatheredParameters(modifier_rank=0)``),
+    ``resize_token_embeddings``, gradient checkpointing; saved at step 3 and resumed on 3 ranks; the final model
+    saved by ``save_model`` (``save_16bit_model``). Against stock ZeRO-3: the same losses and gathered parameters
+    (within fp32 tolerance; measured bit for bit on 2 ranks), the same model files byte for byte on 2 ranks, and
+    within tolerance resumed on 3 ranks against stock resumed on 2."""
+    from safetensors.torch import load_file
+
+    check_framework("HF Trainer at ZeRO-3", functools.partial(hf_run, stage=3), tmp_path, stage=3)
+    for name in ("checkpoint-3/model.safetensors", "model.safetensors"):
+        assert (tmp_path / "ts" / name).read_bytes() == (tmp_path / "stock" / name).read_bytes(), name
+    stock, ours = (load_file(tmp_path / f"{mode}_resume_out" / "model.safetensors") for mode in ("stock", "ts"))
+    assert ours.keys() == stock.keys() and "transformer.wte.weight" in ours
+    assert stock["transformer.wte.weight"].shape[0] == VOCAB + 8  # resized
+    for key, value in stock.items():
+        torch.testing.assert_close(ours[key], value, rtol=FP32_PARAM, atol=FP32_PARAM, msg=key)
 
 
 def test_hf_trainer_with_the_guides_zero2_offload_config(tmp_path):
