@@ -161,18 +161,22 @@ def test_hf_trainer_with_the_guides_zero2_offload_config(tmp_path):
 
 
 # -- accelerate launch -----------------------------------------------------------------------------
-def accelerate_config(tmp_path, stock: bool) -> str:
+def accelerate_config(tmp_path, stock: bool, stage: int = 2) -> str:
+    """configs/accelerate_tensorshard.json (its tensorshard block dropped for stock); at ``stage`` 3 with the
+    16-bit model gathered on save, as Accelerate's ``get_state_dict`` needs it."""
     with open(os.path.join(ROOT, "configs", "accelerate_tensorshard.json")) as f:
         config = json.load(f)
     assert config["train_micro_batch_size_per_gpu"] == "auto"  # written the way Accelerate users write it
     if stock:
         config.pop("tensorshard")
-    path = tmp_path / f"accelerate_{'stock' if stock else 'ts'}.json"
+    if stage == 3:
+        config["zero_optimization"].update(stage=3, stage3_gather_16bit_weights_on_model_save=True)
+    path = tmp_path / f"accelerate_{'stock' if stock else 'ts'}_{stage}.json"
     path.write_text(json.dumps(config))
     return str(path)
 
 
-def accelerate_run(mode: str, tmp_path) -> dict:
+def accelerate_run(mode: str, tmp_path, stage: int = 2) -> dict:
     stock = mode.startswith("stock")
     results = tmp_path / f"acc_{mode}.pt"
     ranks, accum = (RESUME_RANKS, RESUME_ACCUM) if mode == "ts_resume" else (2, 3)
@@ -181,7 +185,7 @@ def accelerate_run(mode: str, tmp_path) -> dict:
         "launch",
         "--use_deepspeed",
         "--deepspeed_config_file",
-        accelerate_config(tmp_path, stock),
+        accelerate_config(tmp_path, stock, stage),
         "--num_processes",
         str(ranks),
         "--num_machines",
@@ -199,6 +203,8 @@ def accelerate_run(mode: str, tmp_path) -> dict:
     ]
     if mode.endswith("resume"):
         cmd += ["--resume", str(tmp_path / ("stock" if stock else "ts") / "step_3")]
+    if stage == 3:
+        cmd += ["--state-dict", str(tmp_path / f"acc_{mode}_state.pt")]
     proc = subprocess.run(
         cmd, env={**launcher_env(), **CPU_SITE}, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT
     )
@@ -210,8 +216,22 @@ def test_accelerate_launch_with_auto_config(tmp_path):
     check_framework("accelerate launch", accelerate_run, tmp_path)
 
 
+def test_accelerate_stage3_get_state_dict(tmp_path):
+    """The same at ZeRO-3 (the config file's stage 3, ``stage3_gather_16bit_weights_on_model_save``), and
+    ``accelerator.get_state_dict(model)`` after training: the same tensors as stock ZeRO-3's, byte for byte on 2
+    ranks, within fp32 tolerance resumed on 3 ranks against stock resumed on 2."""
+    check_framework("accelerate launch at ZeRO-3", functools.partial(accelerate_run, stage=3), tmp_path, stage=3)
+    states = {mode: load(tmp_path / f"acc_{mode}_state.pt") for mode in ("stock", "ts", "stock_resume", "ts_resume")}
+    assert states["ts"].keys() == states["stock"].keys() and "lm_head.weight" in states["ts"]
+    for key, value in states["stock"].items():
+        assert torch.equal(states["ts"][key], value), key
+        torch.testing.assert_close(
+            states["ts_resume"][key], states["stock_resume"][key], rtol=FP32_PARAM, atol=FP32_PARAM
+        )
+
+
 # -- Lightning -------------------------------------------------------------------------------------
-def lightning_run(mode: str, tmp_path) -> dict:
+def lightning_run(mode: str, tmp_path, stage: int = 2) -> dict:
     stock = mode.startswith("stock")
     results = tmp_path / f"pl_{mode}.pt"
     # Lightning restores its loop's batch progress: a resume reproduces stock only with the same batches per
@@ -231,6 +251,7 @@ def lightning_run(mode: str, tmp_path) -> dict:
         "--results",
         str(results),
     ] + (["--stock"] if stock else [])
+    cmd += ["--stage", str(stage)]
     if mode.endswith("resume"):
         cmd += ["--resume", str(saved / "step3.ckpt"), "--out", str(tmp_path / f"{mode}_out")]
     else:
@@ -245,20 +266,27 @@ def test_lightning_deepspeed_strategy(tmp_path):
     check_framework("Lightning DeepSpeedStrategy", lightning_run, tmp_path, resume_ranks=4)
 
 
+def test_lightning_deepspeed_strategy_stage3(tmp_path):
+    """``DeepSpeedStrategy(stage=3)`` (its config at stage 3): as stock ZeRO-3 on 2 ranks, resumed on 4."""
+    run = functools.partial(lightning_run, stage=3)
+    check_framework("Lightning DeepSpeedStrategy at ZeRO-3", run, tmp_path, resume_ranks=4, stage=3)
+
+
 # -- TRL DPOTrainer ---------------------------------------------------------------------------------
 AS_STOCK = "'zero_optimization.stage' 0: no ZeRO-1/2 optimizer to replace, this engine runs as stock DeepSpeed"
 
 
-def dpo_run(stock: bool, tmp_path) -> tuple[dict, str]:
+def dpo_run(stock: bool, tmp_path, stage: int = 2) -> tuple[dict, str]:
     """ds_tensorshard.examples.trl_dpo through ``accelerate launch`` on 2 ranks with the Accelerate config file
-    (its tensorshard block dropped for stock); its results and the launch's whole output."""
-    results = tmp_path / f"dpo_{'stock' if stock else 'ts'}.pt"
+    (its tensorshard block dropped for stock; at stage 3 ending with a generation step); its results and the
+    launch's whole output."""
+    results = tmp_path / f"dpo_{'stock' if stock else 'ts'}_{stage}.pt"
     cmd = [
         os.path.join(BIN, "accelerate"),
         "launch",
         "--use_deepspeed",
         "--deepspeed_config_file",
-        accelerate_config(tmp_path, stock),
+        accelerate_config(tmp_path, stock, stage),
         "--num_processes",
         "2",
         "--num_machines",
@@ -271,7 +299,7 @@ def dpo_run(stock: bool, tmp_path) -> tuple[dict, str]:
         str(tmp_path / "dpo_out"),
         "--results",
         str(results),
-    ]
+    ] + (["--generate"] if stage == 3 else [])
     env = {**launcher_env(), **CPU_SITE, "HF_HUB_OFFLINE": "1"}
     proc = run_in_group(cmd, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -299,6 +327,31 @@ def test_trl_dpo_with_reference_model(tmp_path):
     record("TRL DPOTrainer: rewards/margins, ds_tensorshard vs stock ZeRO-2", margin, float("nan"))
 
 
+def test_trl_dpo_stage3_with_reference_model_and_generation(tmp_path):
+    """DPOTrainer at ZeRO-3: the policy's engine is ds_tensorshard's stage 3 and matches stock ZeRO-3 (within fp32
+    tolerance; measured bit for bit); the reference's, which TRL builds at stage 3 without an optimizer, is stock's
+    ``DeepSpeedZeRoOffload`` alone in both runs, frozen. Then a generation step as GRPO takes it
+    (``unwrap_model_for_generation``: gathered parameters, the hooks removed and put back): the same tokens, and the
+    same loss from the policy's engine afterwards."""
+    stock, _ = dpo_run(True, tmp_path, stage=3)
+    ours, _ = dpo_run(False, tmp_path, stage=3)
+    assert (stock["optimizer_class"], ours["optimizer_class"]) == STAGE3_CLASSES
+    for run in (stock, ours):
+        assert (run["ref_optimizer_class"], run["ref_zero_stage"], run["ref_unchanged"]) == (
+            "DeepSpeedZeRoOffload",
+            3,
+            True,
+        )
+    assert sorted(ours["losses"]) == list(range(1, 9))
+    assert_same_run(ours, stock, "TRL DPOTrainer at ZeRO-3: ds_tensorshard vs stock ZeRO-3, 2 ranks")
+    margin = max(abs(ours["margins"][s] - stock["margins"][s]) for s in stock["margins"])
+    assert margin <= FP32_LOSS, (ours["margins"], stock["margins"])
+    assert torch.equal(ours["generated"], stock["generated"]) and ours["generated"].shape[1] > 4
+    after = abs(ours["loss_after_generation"] - stock["loss_after_generation"])
+    assert after <= FP32_LOSS, (ours["loss_after_generation"], stock["loss_after_generation"])
+    record("TRL DPOTrainer at ZeRO-3: loss after the generation step", after, float("nan"))
+
+
 def test_lightning_refuses_cpu_without_the_test_bypass(tmp_path):
     """What a user sees on a CPU-only machine: Lightning's own refusal (the path runs on CUDA GPUs)."""
     cmd = [sys.executable, "-m", "ds_tensorshard.examples.lightning_train", "--devices", "1", "--out", str(tmp_path)]
@@ -308,10 +361,10 @@ def test_lightning_refuses_cpu_without_the_test_bypass(tmp_path):
 
 
 # -- PEFT LoRA -------------------------------------------------------------------------------------
-def peft_run(stock: bool, checkpointing: str, tmp_path) -> dict:
-    results = tmp_path / f"peft_{'stock' if stock else 'ts'}.pt"
+def peft_run(stock: bool, checkpointing: str, tmp_path, stage: int = 2) -> dict:
+    results = tmp_path / f"peft_{'stock' if stock else 'ts'}_{stage}.pt"
     args = ["-m", "ds_tensorshard.examples.peft_lora", "--checkpointing", checkpointing, "--results", str(results)]
-    run_ranks(args + (["--stock"] if stock else []), 2)
+    run_ranks(args + ["--stage", str(stage)] + (["--stock"] if stock else []), 2)
     return load(results)
 
 
@@ -332,3 +385,21 @@ def test_peft_lora_adapters_only(tmp_path, checkpointing):
             assert torch.equal(ours["params"][name], value), f"frozen {name} changed"
         elif ".lora_B." in name:  # zero at the start: trained
             assert ours["params"][name].abs().max() > 0, name
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "non_reentrant"])
+def test_peft_lora_stage3(tmp_path, checkpointing):
+    """LoRA at ZeRO-3 on a base built inside ``deepspeed.zero.Init`` (PEFT wraps layers whose weights are kept by
+    their owners, reading ``ds_shape``): the same losses and parameters as stock ZeRO-3 on 2 ranks (within fp32
+    tolerance; measured bit for bit), the frozen base untouched."""
+    from ds_tensorshard.examples.peft_lora import lora_model
+
+    stock, ours = peft_run(True, checkpointing, tmp_path, 3), peft_run(False, checkpointing, tmp_path, 3)
+    assert (stock["optimizer_class"], ours["optimizer_class"]) == STAGE3_CLASSES
+    assert sorted(ours["losses"]) == list(range(1, 7))
+    assert_same_run(ours, stock, f"PEFT LoRA at ZeRO-3 (checkpointing {checkpointing}): vs stock ZeRO-3, 2 ranks")
+    initial = {n: p.detach() for n, p in lora_model("none").named_parameters()}
+    assert initial.keys() == ours["params"].keys()
+    for name, value in initial.items():
+        if ".lora_" not in name:
+            assert torch.equal(ours["params"][name], value), f"frozen {name} changed"
