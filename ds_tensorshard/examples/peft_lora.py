@@ -85,6 +85,7 @@ def main() -> None:
     config = ds_config(args.stock, args.micro_batch, args.grad_accum, world, args.stage)
     model = lora_model(args.checkpointing, config if args.stage == 3 else None)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    initial = gathered_parameters(engine.module)  # every rank: a collective at ZeRO-3
     generator = torch.Generator().manual_seed(1000 + rank)
     losses: dict[int, float] = {}
     for micro in range(args.steps * args.grad_accum):
@@ -98,7 +99,7 @@ def main() -> None:
             losses[engine.global_steps] = mean.item() / world
     params = gathered_parameters(engine.module)  # every rank: a collective at ZeRO-3
     if rank == 0:
-        report(losses, optimizer, params, args.results)
+        report(losses, optimizer, params, args.results, initial=initial)
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()
