@@ -8,7 +8,9 @@ gets a ``"tensorshard"`` block and keeps its ``"auto"`` values, which Accelerate
 A tiny Llama built from its config (random init, fixed seed; no model hub), random tokens, the same samples
 in every step at any world size (sequential batches, global batch fixed by ``--grad-accum``).
 ``--resume DIR`` loads ``accelerator.save_state`` output and continues; ``--results FILE`` makes rank 0 save
-per-step losses and the final parameters.
+per-step losses and the final parameters; ``--state-dict FILE`` makes the main process save
+``accelerator.get_state_dict(model)`` there (at ZeRO-3 the 16-bit model gathered from every rank, which needs
+``stage3_gather_16bit_weights_on_model_save``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
-from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_llama
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, gathered_parameters, report, tiny_llama
 
 SAMPLES = 96
 
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=3, help="keep micro x accum x ranks fixed across resumes")
     parser.add_argument("--resume", help="a folder written by accelerator.save_state")
     parser.add_argument("--results", help="rank 0 saves losses and final parameters here")
+    parser.add_argument("--state-dict", help="the main process saves accelerator.get_state_dict(model) here")
     args = parser.parse_args()
 
     from accelerate import Accelerator
@@ -72,8 +75,12 @@ def main() -> None:
                 accelerator.save_state(os.path.join(args.out, f"step_{step}"))
             if step == args.steps:
                 break
+    params = gathered_parameters(model.module)  # every rank: a collective at ZeRO-3
+    state = accelerator.get_state_dict(model) if args.state_dict else None  # every rank, as params
     if accelerator.is_main_process:
-        report(losses, model.optimizer, model.module, args.results)
+        report(losses, model.optimizer, params, args.results)
+        if args.state_dict:
+            torch.save(state, args.state_dict)
     accelerator.wait_for_everyone()
     from ds_tensorshard.transports.torch_comm import close_process_group
 

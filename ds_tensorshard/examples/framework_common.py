@@ -48,11 +48,22 @@ def tiny_llama() -> PreTrainedModel:
     return LlamaForCausalLM(config)
 
 
-def report(losses: dict, optimizer: object, module: torch.nn.Module, results: str | None, **extra: object) -> None:
-    """Rank 0: print the optimizer class and the losses; save them with the final parameters (and ``extra``,
-    an example's own entries) to ``results``."""
+def gathered_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters by name, in fp32; at ZeRO-3 gathered first (a collective: call it on every rank)."""
+    import deepspeed
+
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
+        return {n: p.detach().float().clone() for n, p in module.named_parameters()}
+
+
+def report(
+    losses: dict, optimizer: object, module: torch.nn.Module | dict, results: str | None, **extra: object
+) -> None:
+    """Rank 0: print the optimizer class and the losses; save them with the final parameters (``module``'s, or
+    those given by name) and ``extra`` (an example's own entries) to ``results``."""
     print(f"optimizer {type(optimizer).__name__}; losses {losses}")
     if results:
-        params = {n: p.detach().float().clone() for n, p in module.named_parameters()}
+        params = module if isinstance(module, dict) else gathered_parameters(module)
         saved = {"losses": losses, "optimizer_class": type(optimizer).__name__, "params": params, **extra}
         torch.save(saved, results)

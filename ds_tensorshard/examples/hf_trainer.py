@@ -9,6 +9,12 @@ tokens, sequential batches so that a step sees the same samples at any world siz
 ``--stock`` drops the tensorshard block (stock ZeRO-2); ``--offload`` uses the Hugging Face DeepSpeed guide's
 ZeRO-2 config instead (ZeRO-Offload: ``offload_optimizer`` cpu with pinned memory, "auto" values that the Trainer
 fills); ``--results FILE`` makes rank 0 save the logged losses and the final parameters.
+
+``--stage 3`` takes the guide's ZeRO-3 config (without its offload blocks unless ``--offload``;
+``stage3_gather_16bit_weights_on_model_save`` on) and loads the model as ZeRO-3 users do:
+``GPT2LMHeadModel.from_pretrained`` of the tiny GPT-2, saved first under ``OUT/tiny-gpt2`` (built inside
+``deepspeed.zero.Init``, its weights loaded through ``GatheredParameters``), ``resize_token_embeddings`` and
+gradient checkpointing; the Trainer saves the final model (``save_model``: ``save_16bit_model``) in ``OUT``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import deepspeed
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
-from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_gpt2
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, gathered_parameters, report, tiny_gpt2
 
 SAMPLES = 96
 
@@ -63,11 +69,34 @@ def hf_guide_zero2_offload() -> dict:
     }
 
 
-def ds_config(stock: bool, offload: bool = False) -> dict:
-    """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block (the guide's ZeRO-Offload
-    one with ``offload``), the tensorshard block."""
+def hf_guide_zero3(offload: bool) -> dict:
+    """The ZeRO-3 config of Hugging Face's DeepSpeed guide ("auto" values the Trainer fills from the model and its
+    arguments); its ``offload_optimizer`` and ``offload_param`` blocks (cpu, pinned) only with ``offload``."""
+    config = hf_guide_zero2_offload()
+    zero: dict = {"stage": 3}
     if offload:
-        config = hf_guide_zero2_offload()
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    zero.update(
+        overlap_comm=True,
+        contiguous_gradients=True,
+        sub_group_size=1e9,
+        reduce_bucket_size="auto",
+        stage3_prefetch_bucket_size="auto",
+        stage3_param_persistence_threshold="auto",
+        stage3_max_live_parameters=1e9,
+        stage3_max_reuse_distance=1e9,
+        stage3_gather_16bit_weights_on_model_save=True,
+    )
+    config["zero_optimization"] = zero
+    return config
+
+
+def ds_config(stock: bool, offload: bool = False, stage: int = 2) -> dict:
+    """What an HF user writes: "auto" where TrainingArguments decides, a ZeRO-2 block (the guide's ZeRO-Offload
+    one with ``offload``; the guide's ZeRO-3 config at ``stage`` 3), the tensorshard block."""
+    if stage == 3 or offload:
+        config = hf_guide_zero3(offload) if stage == 3 else hf_guide_zero2_offload()
         if not stock:
             config["tensorshard"] = {"enabled": True}
         return config
@@ -100,7 +129,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="Trainer output_dir (checkpoint-N folders)")
     parser.add_argument("--steps", type=int, default=6)
@@ -108,17 +137,39 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=3, help="keep micro x accum x ranks fixed across resumes")
     parser.add_argument("--resume", help="a checkpoint-N folder to resume from")
-    parser.add_argument("--stock", action="store_true", help="stock ZeRO-2 (no tensorshard block)")
-    parser.add_argument("--offload", action="store_true", help="the HF guide's ZeRO-2 config with CPU offload")
+    parser.add_argument("--stock", action="store_true", help="stock ZeRO (no tensorshard block)")
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2, help="3: the guide's ZeRO-3 config")
+    parser.add_argument("--offload", action="store_true", help="the HF guide's config with CPU offload")
     parser.add_argument("--results", help="rank 0 saves losses and final parameters here")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def pretrained(training, out: str) -> torch.nn.Module:
+    """ZeRO-3 as users load a model: the tiny GPT-2 saved under ``OUT/tiny-gpt2`` (by the main process, first),
+    then ``from_pretrained`` (inside ``deepspeed.zero.Init``, since ``training`` enables ZeRO-3), its vocabulary
+    grown by 8 rows, gradient checkpointing on."""
+    import os
+
+    from transformers import GPT2LMHeadModel
+
+    folder = os.path.join(out, "tiny-gpt2")
+    with training.main_process_first(desc="saving the tiny GPT-2"):
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            tiny_gpt2().save_pretrained(folder)
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    torch.manual_seed(1)  # the new rows' values (mean-resizing samples them)
+    model.resize_token_embeddings(VOCAB + 8)
+    return model
+
+
+def main() -> None:
+    args = parse_args()
     from transformers import Trainer, TrainingArguments
 
     training = TrainingArguments(
         output_dir=args.out,
-        deepspeed=ds_config(args.stock, args.offload),
+        deepspeed=ds_config(args.stock, args.offload, args.stage),
         max_steps=args.steps,
         save_steps=args.save_steps,
         per_device_train_batch_size=args.micro_batch,
@@ -134,15 +185,20 @@ def main() -> None:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        gradient_checkpointing=args.stage == 3,
     )
-    trainer = Trainer(model=tiny_gpt2(), args=training, train_dataset=RandomTokens())
+    model = pretrained(training, args.out) if args.stage == 3 else tiny_gpt2()
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens())
     trainer.train(resume_from_checkpoint=args.resume)
+    if args.stage == 3:
+        trainer.save_model()  # the final model in OUT: save_16bit_model's state dict, written by the main process
     engine = trainer.model_wrapped
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
+    params = gathered_parameters(engine.module)  # every rank: a collective at ZeRO-3
     if trainer.is_world_process_zero():
         losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
         inner = type(engine.optimizer.optimizer).__name__
-        report(losses, engine.optimizer, engine.module, args.results, inner_class=inner)
+        report(losses, engine.optimizer, params, args.results, inner_class=inner)
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()

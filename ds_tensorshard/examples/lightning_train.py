@@ -9,7 +9,8 @@ A tiny GPT-2 built from its config (random init, fixed seed; no model hub), rand
 batches, so a step sees the same samples at any world size (global batch fixed by ``--grad-accum``). An epoch
 is ``--save-at`` steps; Lightning's ModelCheckpoint saves at each epoch's end (``step<N>.ckpt``).
 Lightning's DeepSpeedStrategy runs on CUDA GPUs (``--accelerator gpu``); on CPUs it refuses with "only
-supported on CUDA GPUs" (the tests lift that one check, see tests/helpers/cpu_site).
+supported on CUDA GPUs" (the tests lift that one check, see tests/helpers/cpu_site). ``--stage 3``: ZeRO-3
+(the config's stage, as ``DeepSpeedStrategy(stage=3)`` writes it).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import argparse
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
-from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_gpt2
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, gathered_parameters, report, tiny_gpt2
 
 
-def ds_config(stock: bool) -> dict:
-    config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 20000}}
+def ds_config(stock: bool, stage: int = 2) -> dict:
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 20000}}
     if not stock:
         config["tensorshard"] = {"enabled": True}
     return config
@@ -64,7 +65,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=3, help="keep micro x accum x ranks fixed across resumes")
     parser.add_argument("--resume", help="a step<N>.ckpt written by this example")
-    parser.add_argument("--stock", action="store_true", help="stock ZeRO-2 (no tensorshard block)")
+    parser.add_argument("--stock", action="store_true", help="stock ZeRO (no tensorshard block)")
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
     parser.add_argument("--results", help="rank 0 saves losses and final parameters here")
     args = parser.parse_args()
 
@@ -87,7 +89,7 @@ def main() -> None:
     # DeepSpeedStrategy wants device indices 0..n-1 (CUDA's); CPU devices have none unless given
     # (torch maps cpu:N to cpu)
     cpus = [torch.device("cpu", i) for i in range(args.devices)] if args.accelerator == "cpu" else None
-    strategy = DeepSpeedStrategy(config=ds_config(args.stock), parallel_devices=cpus)
+    strategy = DeepSpeedStrategy(stage=args.stage, config=ds_config(args.stock, args.stage), parallel_devices=cpus)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,
@@ -106,8 +108,9 @@ def main() -> None:
     engine = trainer.strategy.deepspeed_engine
     per_step = {step: torch.stack(values).mean() for step, values in module.losses.items()}
     losses = {step: trainer.strategy.reduce(value, reduce_op="mean").item() for step, value in sorted(per_step.items())}
+    params = gathered_parameters(engine.module)  # every rank: a collective at ZeRO-3
     if trainer.is_global_zero:
-        report(losses, engine.optimizer, engine.module, args.results)
+        report(losses, engine.optimizer, params, args.results)
     from ds_tensorshard.transports.torch_comm import close_process_group
 
     close_process_group()

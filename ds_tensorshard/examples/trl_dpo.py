@@ -16,6 +16,12 @@ word-level tokenizer built here with ``tokenizers``, and an in-memory preference
 counting words, the chosen completion counts on, the rejected one is random words. Sequential batches, so that
 a step sees the same pairs at any world size. ``--results FILE`` makes rank 0 save the logged losses, the final
 policy parameters and what the reference engine is.
+
+At ZeRO-3 (the config's ``zero_optimization.stage`` 3) TRL builds the reference engine at stage 3 too, without an
+optimizer: DeepSpeed makes it ``DeepSpeedZeRoOffload`` alone, which ds_tensorshard leaves stock. ``--generate``
+then ends with a generation step as GRPO takes it (``trl.models.utils.unwrap_model_for_generation``: the policy's
+parameters gathered, the stage-3 hooks removed and put back) and one more loss from the policy's engine (its hooks
+working again), both saved to the results.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import random
 import torch
 
 import ds_tensorshard  # noqa: F401  (the one line: registers the plugin with DeepSpeed)
-from ds_tensorshard.examples.framework_common import SEQ, VOCAB, report, tiny_llama
+from ds_tensorshard.examples.framework_common import SEQ, VOCAB, gathered_parameters, report, tiny_llama
 
 PAIRS = 96  # 8 steps of 2 ranks x 2 pairs x 3 accumulation
 SPECIAL = ("<pad>", "<eos>", "<unk>")
@@ -61,6 +67,25 @@ def preference_pairs(n: int = PAIRS, seed: int = 7):
     return Dataset.from_dict(rows)
 
 
+def generation_step(trainer) -> dict:
+    """Greedy generation from the trained policy as GRPO runs it (``unwrap_model_for_generation``), then the
+    policy's engine's loss on the same prompts (its hooks put back): the generated ids and that loss."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    tokenizer = word_tokenizer()
+    tokenizer.padding_side = "left"
+    prompts = tokenizer(list(preference_pairs(4)["prompt"]), return_tensors="pt", padding=True)
+    engine = trainer.model_wrapped
+    engine.eval()
+    with torch.no_grad():
+        with unwrap_model_for_generation(engine, trainer.accelerator) as unwrapped:
+            ids = unwrapped.generate(**prompts, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        loss = engine(
+            input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"], labels=prompts["input_ids"]
+        ).loss
+    return {"generated": ids, "loss_after_generation": float(loss)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the trainer's output_dir (nothing is saved there)")
@@ -68,6 +93,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=3)
     parser.add_argument("--results", help="rank 0 saves losses, final parameters and the reference engine's kind")
+    parser.add_argument("--generate", action="store_true", help="end with a generation step (as GRPO's)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL pings the Hub from rank 0 otherwise
 
@@ -107,19 +133,22 @@ def main() -> None:
     engine, ref_engine = trainer.model_wrapped, trainer.ref_model
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
     assert isinstance(ref_engine, deepspeed.DeepSpeedEngine), type(ref_engine)
-    # the reference stayed frozen: bit for bit the policy's starting point
-    ref_unchanged = all(torch.equal(start[n], p.detach()) for n, p in ref_engine.module.named_parameters())
+    generated = generation_step(trainer) if args.generate else {}
+    # every rank (collectives at ZeRO-3); the reference stayed frozen: bit for bit the policy's starting point
+    params, ref_params = gathered_parameters(engine.module), gathered_parameters(ref_engine.module)
+    ref_unchanged = all(torch.equal(start[n], p) for n, p in ref_params.items())
     if trainer.is_world_process_zero():
         history = [row for row in trainer.state.log_history if "loss" in row]
         report(
             {row["step"]: row["loss"] for row in history},
             engine.optimizer,
-            engine.module,
+            params,
             args.results,
             margins={row["step"]: row["rewards/margins"] for row in history},
             ref_optimizer_class=type(ref_engine.optimizer).__name__,
             ref_zero_stage=ref_engine.zero_optimization_stage(),
             ref_unchanged=ref_unchanged,
+            **generated,
         )
     from ds_tensorshard.transports.torch_comm import close_process_group
 

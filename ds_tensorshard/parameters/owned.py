@@ -136,7 +136,8 @@ class OwnedParameters:
     def move(self, params: list[ZeroParam], blocks: list[tuple[Block, ...]]) -> None:
         """Give ``params`` (released, in ``ds_id`` order on every rank) new owners ``blocks``: each is gathered from
         its owners now, then kept by its new ones; a batch of at most :data:`MOVE_NUMEL` elements at a time. The
-        layouts made before (``zero.Init``'s gathers: ``apply``, ``GatheredParameters``) name the old owners."""
+        layouts made before (``zero.Init``'s gathers: ``apply``, ``GatheredParameters`` while HF loads the weights)
+        name the old owners: they are dropped."""
         start = 0
         while start < len(params):
             stop, numel = start, 0
