@@ -387,7 +387,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from ds_tensorshard.commands.progress import bar as progress_bar
 
-    runs = [(c, tree) for c in args.configs for tree in (None, args.baseline) if tree is None or c in SHARDED]
+    trees = (None,) if args.baseline is None else (None, args.baseline)
+    runs = [(c, tree) for c in args.configs for tree in trees if tree is None or c in SHARDED]
     rounds: dict[tuple[str, str | None], list[dict]] = {run: [] for run in runs}
     with progress_bar(len(runs) * args.rounds, "bench", "config") as bar:  # silent unless on a terminal
         for _ in range(args.rounds):

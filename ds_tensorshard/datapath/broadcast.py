@@ -15,16 +15,10 @@ from ds_tensorshard.datapath.flat_parameters import FlatGather
 from ds_tensorshard.datapath.reduce import IN_FLIGHT
 from ds_tensorshard.datapath.update import OwnedShard
 from ds_tensorshard.transports.deadline import wait_or_fail
-from ds_tensorshard.transports.protocol import Pending, Transport, all_of
+from ds_tensorshard.transports.protocol import Pending, Transport
 
 if TYPE_CHECKING:
     from ds_tensorshard.datapath.domains import Domain
-
-
-# On CPU ranks, up to how many ranks a window's tensors are broadcast one by one, in place, rather than packed into
-# one buffer per owner: the copies saved outweigh the launches at 2 ranks; per-tensor reductions measured slower
-# than the transports' own from 3 ranks, so the gather keeps its buffer there too (docs/performance.md)
-PIECES_UP_TO = 2
 
 
 class Broadcast:
@@ -47,7 +41,7 @@ class Broadcast:
             while self.todo and update is not None:
                 update(*self.todo.popleft())
             self.todo.clear()
-        self.in_flight: deque[tuple[int, Bucket, torch.Tensor | None, Pending]] = deque()
+        self.in_flight: deque[tuple[int, Bucket, torch.Tensor, Pending]] = deque()
         self._fill()
 
     def _fill(self) -> None:
@@ -65,20 +59,16 @@ class Broadcast:
             index, bucket, flat, pending = self.in_flight.popleft()
             wait_or_fail(pending.wait, self.comm, functools.partial(self.describe, index, bucket, "broadcast"))
             for segment in bucket.segments:
-                if flat is not None and segment.owner != self.comm.rank:
+                if segment.owner != self.comm.rank:
                     received = flat[segment.offset : segment.offset + segment.numel]
                     torch._foreach_copy_(bucket.model_views(segment), list(received.split(segment.sizes)))
             self._fill()
 
 
-def start_gather(bucket: Bucket, comm: Transport) -> tuple[torch.Tensor | None, Pending]:
-    """The bucket's flat buffer with this rank's segment in place, and the collective bringing in the others';
-    a window in host memory at up to :data:`PIECES_UP_TO` ranks: no buffer (None), each owner's tensors broadcast
-    from and into the model's own (no copy into a buffer on the owner, none out of it on the others)."""
+def start_gather(bucket: Bucket, comm: Transport) -> tuple[torch.Tensor, Pending]:
+    """The bucket's flat buffer with this rank's segment in place, and the collective bringing in the others'
+    (one per owner or one for the bucket, never one per tensor)."""
     by_all_reduce = bucket.by_all_reduce[1]
-    if not bucket.slot and not by_all_reduce and bucket.device.type == "cpu" and comm.world_size <= PIECES_UP_TO:
-        views = [(s.owner, view) for s in bucket.segments for view in bucket.model_views(s)]
-        return None, all_of([comm.start_broadcast(view, owner) for owner, view in views])
     if by_all_reduce:
         flat = torch.full((bucket.numel,), -0.0, dtype=bucket.dtype, device=bucket.device)
     else:
