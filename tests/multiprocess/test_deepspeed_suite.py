@@ -17,6 +17,7 @@ from tests.helpers.ranks import free_port, run_in_group
 
 def run(tmp_path, mode: str, *args: str) -> tuple[str, list[list[str]]]:
     events = tmp_path / f"{mode}.events"
+    events.unlink(missing_ok=True)  # this run's records only
     env = {k: v for k, v in os.environ.items() if k != "DS_TENSORSHARD"}
     env.update(
         PYTHONPATH=os.pathsep.join((SITE, ROOT)),
