@@ -12,7 +12,7 @@ are its partition: here the block it owns (the whole tensor on its owner), empty
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +61,13 @@ class Stage3Access:
     def set_fp32_grad_for_param(self, value: torch.Tensor, param: ZeroParam) -> None:
         if self._trained(param):
             param.set_full_hp_grad(value)
+
+    def update_fp32_grad_for_param_vectorized(self, update_func: Any, param_list: list[ZeroParam]) -> None:
+        """``safe_update_full_grad_vectorized``: each trained tensor's full gradient replaced by
+        ``update_func(full, param)``, in the list's order on every rank (each read and write is collective)."""
+        for param in param_list:
+            if param.requires_grad and self._trained(param):
+                param.set_full_hp_grad(update_func(param.get_full_hp_grad(), param))
 
     # -- this rank's part ---------------------------------------------------------------------------
     def get_local_fp32_param(self, param: ZeroParam, optim_state_key: str | None = None) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from tests.helpers.ranks import free_port, run_in_group
 
 def run(tmp_path, mode: str, *args: str) -> tuple[str, list[list[str]]]:
     events = tmp_path / f"{mode}.events"
+    events.unlink(missing_ok=True)  # this run's records only
     env = {k: v for k, v in os.environ.items() if k != "DS_TENSORSHARD"}
     env.update(
         PYTHONPATH=os.pathsep.join((SITE, ROOT)),
@@ -54,3 +55,14 @@ def test_a_refusal_at_initialize_is_recorded_with_its_message(tmp_path):
 def test_a_stage_0_engine_is_not_recorded(tmp_path):
     out, events = run(tmp_path, "plugin", "0")
     assert "optimizer: " in out and events == []
+
+
+def test_the_plugin_run_gives_a_stage_3_engine_and_a_zero_init_the_block(tmp_path):
+    # the engine's own zero.Init (DeepSpeedZeRoOffload converting the model) is recorded as one too
+    for extra in ((), ("init",)):  # ("init",): the model built under zero.Init, its config a file's path
+        out, events = run(tmp_path, "plugin", "3", *extra)
+        assert "optimizer: TensorShardStage3Optimizer" in out
+        assert events == [["init3", ""], ["owned3", ""], ["zero3", "TensorShardStage3Optimizer"], ["engaged3", "3"]]
+        out, events = run(tmp_path, "stock", "3", *extra)
+        assert "optimizer: DeepSpeedZeroOptimizer_Stage3" in out
+        assert events == [["init3", ""], ["zero3", "DeepSpeedZeroOptimizer_Stage3"]]

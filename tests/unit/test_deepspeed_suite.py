@@ -91,3 +91,59 @@ def test_a_tree_of_another_release_is_refused_unless_asked_for(tmp_path, capsys)
     assert check_tree(tmp_path, any_version=False) == tmp_path / "tests"
     with pytest.raises(SystemExit, match="not a DeepSpeed source tree"):
         check_tree(tmp_path / "tests", any_version=False)
+
+
+def test_the_plugin_run_gives_every_stage_3_config_the_block_and_leaves_the_rest(tmp_path, monkeypatch):
+    from ds_tensorshard.config.schema import BLOCK, ENV_CONFIG
+    from tests.helpers.deepspeed_suite import forcing
+
+    assert (forcing.BLOCK, forcing.ENV_CONFIG) == (BLOCK, ENV_CONFIG)
+    monkeypatch.delenv(ENV_CONFIG, raising=False)
+    stage3 = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
+    assert forcing.with_block(stage3) == {**stage3, BLOCK: {"enabled": True}}
+    assert BLOCK not in stage3  # the caller's dict is not changed
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(stage3))
+    assert forcing.with_block(str(path)) == {**stage3, BLOCK: {"enabled": True}}  # a file's path, as DeepSpeed reads
+    monkeypatch.setenv(ENV_CONFIG, '{"comm_backend": "mpi"}')
+    assert forcing.with_block(stage3)[BLOCK] == {"enabled": True, "comm_backend": "mpi"}
+    own = {**stage3, BLOCK: {"enabled": False}}
+    for unchanged in ({"zero_optimization": {"stage": 2}}, {"zero_optimization": {"stage": 0}}, {}, own, None):
+        assert forcing.with_block(unchanged) is unchanged
+    assert forcing.with_block(str(tmp_path / "absent.json")) == str(tmp_path / "absent.json")
+
+
+def test_stage_3_tests_are_counted_by_their_engines_and_inits():
+    stock = {
+        "engine": result("passed", "zero3"),
+        "init": result("passed", "init3"),
+        "refused": result("passed", "zero3"),
+        "fails": result("passed", "init3", "zero3"),
+        "no optimizer": result("passed", "zero3"),
+        "zero2": result("passed", "zero12"),
+    }
+    plugin = {
+        "engine": result("passed", "zero3", "engaged3"),
+        "init": result("passed", "init3", "owned3"),
+        "refused": result("failed", "refused", message="TensorShardConfigError: 'k'"),
+        "fails": result("failed", "init3", "owned3", message="AssertionError"),
+        "no optimizer": result("passed", "zero3"),  # DeepSpeedZeRoOffload: stock's, by design
+        "zero2": result("passed", "zero12", "engaged"),
+    }
+    row, problems = file_row(stock, plugin, "3")
+    assert row == {
+        "selected": 6,
+        "stock pass": 6,
+        "stock ZeRO-3": 5,
+        "engaged": 4,
+        "pass": 2,
+        "refused": 1,
+        "fail": 1,
+        "not engaged": 1,
+    }
+    assert [(outcome, nodeid) for outcome, nodeid, _ in problems] == [
+        ("refused", "refused"),
+        ("fail", "fails"),
+        ("not engaged", "no optimizer"),
+    ]
+    assert file_row(stock, plugin)[0]["stock ZeRO-1/2"] == 1  # the stage-1/2 table is unchanged

@@ -2,8 +2,11 @@
 ``DS_TENSORSHARD_SUITE_EVENTS``. The test process reads the lines a test added (:mod:`.results`).
 
 Kinds: ``zero12`` (an engine of ZeRO stage 1 or 2 with an optimizer; ``detail`` its optimizer's class),
-``engaged`` (that optimizer is ds_tensorshard's), ``refused`` (``deepspeed.initialize`` raised a
-``TensorShardConfigError``; ``detail`` its message).
+``engaged`` (that optimizer is ds_tensorshard's), ``zero3`` (an engine of ZeRO stage 3; ``detail`` its optimizer's
+class, ``DeepSpeedZeRoOffload`` where it has none), ``engaged3`` (that optimizer is ds_tensorshard's stage 3),
+``init3`` and ``owned3`` (a ``zero.Init`` with a stage-3 config, and one whose parameters ds_tensorshard converted:
+:mod:`.forcing`), ``refused`` (``deepspeed.initialize`` raised a ``TensorShardConfigError``; ``detail`` its
+message).
 """
 
 from __future__ import annotations
@@ -44,10 +47,15 @@ def read_from(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
 
 def instrument(mode: str) -> None:
     """Wrap ``DeepSpeedEngine.__init__`` to record what each engine was built with; in ``plugin`` mode, first
-    register ds_tensorshard (``DS_TENSORSHARD=1`` in the environment turns it on for every stage-1/2 engine)."""
+    register ds_tensorshard (``DS_TENSORSHARD=1`` in the environment turns it on for every stage-1/2 engine) and
+    give every stage-3 config the ``tensorshard`` block (:mod:`.forcing`)."""
     if mode == "plugin":
         import ds_tensorshard  # noqa: F401  (registers the plugin)
     from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from tests.helpers.deepspeed_suite.forcing import install
+
+    install(force=mode == "plugin")
 
     if getattr(DeepSpeedEngine.__init__, "_suite_recorded", False):
         return
@@ -69,6 +77,10 @@ def instrument(mode: str) -> None:
 
 def _record_engine(engine: Any) -> None:
     optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and engine.zero_optimization_stage() == 3:
+        record("zero3", type(optimizer).__name__)
+        if type(optimizer).__name__ == "TensorShardStage3Optimizer":
+            record("engaged3", "3")
     if optimizer is None or engine.zero_optimization_stage() not in (1, 2):
         return
     record("zero12", type(optimizer).__name__)

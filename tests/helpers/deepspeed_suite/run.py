@@ -1,6 +1,7 @@
 """``python -m tests.helpers.deepspeed_suite.run DEEPSPEED_SRC [FILE ...]`` (``launch/deepspeed_tests.sh``): run
 DeepSpeed's unit tests from a source tree at the installed release's tag, each file twice (stock, then with
-ds_tensorshard forced on for every stage-1/2 engine), and print its table (:mod:`.table`) as soon as both runs end.
+ds_tensorshard forced on for every stage-1/2 engine and every stage-3 config: :mod:`.forcing`), and print its tables
+(:mod:`.table`) as soon as both runs end.
 
 FILEs are relative to ``DEEPSPEED_SRC/tests`` (``unit/v1/zero/test_zero.py``); without any, the selection: every
 test file under ``tests/unit`` that configures ZeRO (mentions ``zero_optimization`` or ``zero_stage``), but for the
@@ -24,7 +25,7 @@ from pathlib import Path
 from tests.helpers import ROOT
 from tests.helpers.deepspeed_suite.events import EVENTS, MODE
 from tests.helpers.deepspeed_suite.results import PRELOAD, RESULTS
-from tests.helpers.deepspeed_suite.table import file_row, format_rows, kinds, load, report, result_path
+from tests.helpers.deepspeed_suite.table import STAGES, file_row, format_rows, kinds, load, report, result_path
 
 SITE = os.path.join(ROOT, "tests", "helpers", "deepspeed_suite", "site")
 EXCLUDED = ("unit/inference/", "unit/hybrid_engine/")  # no ZeRO-1/2 training to compare
@@ -95,12 +96,13 @@ def run_file(tests: Path, out: Path, mode: str, name: str, targets: list[str], o
 
 
 def plugin_targets(out: Path, name: str, every_test: bool) -> list[str]:
-    """What the plugin run of a file runs: the file, or (by default) only its tests that passed stock and built a
-    ZeRO stage 1/2 engine, the only ones its table reads the plugin run for."""
+    """What the plugin run of a file runs: the file, or (by default) only its tests that passed stock and engaged
+    ZeRO stage 1/2 or 3, the only ones its tables read the plugin run for."""
     if every_test:
         return [name]
+    counted = set().union(*(stock_kinds for stock_kinds, _ in STAGES.values()))
     stock = load(result_path(out, "stock", name))
-    return [nodeid for nodeid, result in stock.items() if result["outcome"] == "passed" and "zero12" in kinds(result)]
+    return [nodeid for nodeid, result in stock.items() if result["outcome"] == "passed" and kinds(result) & counted]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--plugin-every-test",
         action="store_true",
-        help="the plugin run runs every test (default: only those that passed stock with a ZeRO-1/2 engine)",
+        help="the plugin run runs every test (default: only those that passed stock and engaged ZeRO-1/2 or 3)",
     )
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, e.g. \"-k 'stage and 2'\"")
     args = parser.parse_args(argv)
@@ -132,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             targets = [name] if mode == "stock" else plugin_targets(args.out, name, args.plugin_every_test)
             seconds[mode] += run_file(tests, args.out, mode, name, targets, args)
-        row, _ = file_row(load(result_path(args.out, "stock", name)), load(result_path(args.out, "plugin", name)))
-        print(format_rows([(name, row)]), flush=True)
+        stock, plugin = load(result_path(args.out, "stock", name)), load(result_path(args.out, "plugin", name))
+        for stage in STAGES:
+            print(format_rows([(f"{name} (stage {stage})", file_row(stock, plugin, stage)[0])]), flush=True)
     print("\n" + report(args.out, files))
     print(f"\ntime: stock {seconds['stock']:.0f} s, plugin {seconds['plugin']:.0f} s (this invocation's runs)")
 

@@ -1,11 +1,12 @@
-"""The tables of a DeepSpeed-suite run: per test file, how the tests that pass stock and build a ZeRO stage 1/2
-engine fare with ds_tensorshard forced on.
+"""The tables of a DeepSpeed-suite run, one for ZeRO stages 1/2 and one for stage 3: per test file, how the tests
+that pass stock and engage the stage fare with ds_tensorshard forced on.
 
 Columns: ``selected`` (tests pytest collected), ``stock pass`` (passed stock), ``stock ZeRO-1/2`` (passed stock and
-built a stage-1/2 engine with an optimizer), then of those, in the plugin run: ``engaged`` (ds_tensorshard built
-the optimizer, or refused the config), ``pass``, ``refused`` (a ``TensorShardConfigError`` at
-``deepspeed.initialize``, the test failing), ``fail`` (any other failure) and ``not engaged`` (no ds_tensorshard
-optimizer was built: the forcing did not reach the engine).
+built a stage-1/2 engine with an optimizer) or ``stock ZeRO-3`` (passed stock and built a stage-3 engine, or a
+``zero.Init`` with a stage-3 config: a stage-3 engine makes one to convert its model), then of those, in the plugin
+run: ``engaged`` (ds_tensorshard built the optimizer or converted the ``zero.Init``'s parameters, or refused the
+config), ``pass``, ``refused`` (a ``TensorShardConfigError`` at ``deepspeed.initialize``, the test failing),
+``fail`` (any other failure) and ``not engaged`` (ds_tensorshard built nothing: the forcing did not reach it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("selected", "stock pass", "stock ZeRO-1/2", "engaged", "pass", "refused", "fail", "not engaged")
+# stage -> (the stock run's records that count a test in, the plugin run's that show the plugin engaged)
+STAGES = {"1/2": ({"zero12"}, {"engaged", "refused"}), "3": ({"zero3", "init3"}, {"engaged3", "owned3", "refused"})}
+
+
+def columns(stage: str = "1/2") -> tuple[str, ...]:
+    return ("selected", "stock pass", f"stock ZeRO-{stage}", "engaged", "pass", "refused", "fail", "not engaged")
 
 
 def load(path: Path) -> dict[str, dict[str, Any]]:
@@ -31,29 +37,32 @@ def kinds(result: dict[str, Any] | None) -> set[str]:
     return {kind for kind, _ in (result or {}).get("events", [])}
 
 
-def verdict(plugin: dict[str, Any] | None) -> str:
-    """How a test that passes stock with a ZeRO-1/2 engine fares in the plugin run."""
+def verdict(plugin: dict[str, Any] | None, stage: str = "1/2") -> str:
+    """How a test that passes stock and engages ``stage`` fares in the plugin run."""
     seen = kinds(plugin)
-    if plugin is None or not seen & {"engaged", "refused"}:
+    if plugin is None or not seen & STAGES[stage][1]:
         return "not engaged"
     if plugin["outcome"] == "passed":
         return "pass"
     return "refused" if "refused" in seen else "fail"
 
 
-def file_row(stock: dict[str, dict], plugin: dict[str, dict]) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
-    """The counts of one file, and (verdict, nodeid, message) for each stock ZeRO-1/2 test that did not pass."""
-    row = dict.fromkeys(COLUMNS, 0)
+def file_row(
+    stock: dict[str, dict], plugin: dict[str, dict], stage: str = "1/2"
+) -> tuple[dict[str, int], list[tuple[str, str, str]]]:
+    """The counts of one file for ``stage``, and (verdict, nodeid, message) for each test that passes stock and
+    engages the stage but did not pass in the plugin run."""
+    row = dict.fromkeys(columns(stage), 0)
     row["selected"] = len(stock)
     problems = []
     for nodeid, result in stock.items():
         if result["outcome"] != "passed":
             continue
         row["stock pass"] += 1
-        if "zero12" not in kinds(result):
+        if not kinds(result) & STAGES[stage][0]:
             continue
-        row["stock ZeRO-1/2"] += 1
-        outcome = verdict(plugin.get(nodeid))
+        row[f"stock ZeRO-{stage}"] += 1
+        outcome = verdict(plugin.get(nodeid), stage)
         row["engaged"] += outcome != "not engaged"
         row[outcome] += 1
         if outcome != "pass":
@@ -63,22 +72,28 @@ def file_row(stock: dict[str, dict], plugin: dict[str, dict]) -> tuple[dict[str,
 
 
 def format_rows(rows: Iterable[tuple[str, dict[str, int]]]) -> str:
-    lines = ["| file | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
-    lines += [f"| {name} | " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for name, row in rows]
+    listed = list(rows)
+    names = list(listed[0][1]) if listed else list(columns())
+    lines = ["| file | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {name} | " + " | ".join(str(row[c]) for c in names) + " |" for name, row in listed]
     return "\n".join(lines)
 
 
 def report(out: Path, files: list[str]) -> str:
-    """Every file's table (with its tests that did not pass) and the total, from a run's ``out`` folder."""
-    parts, total = [], dict.fromkeys(COLUMNS, 0)
-    rows = []
-    for name in files:
-        row, problems = file_row(load(result_path(out, "stock", name)), load(result_path(out, "plugin", name)))
-        rows.append((name, row))
-        total = {c: total[c] + row[c] for c in COLUMNS}
-        parts.append(format_rows([(name, row)]))
-        parts += [f"  {outcome}: {nodeid}: {message}" for outcome, nodeid, message in problems]
-    parts.append("\nall files:\n" + format_rows([*rows, ("total", total)]))
+    """For each stage, every file's table (with its tests that did not pass) and the total, from a run's ``out``
+    folder."""
+    parts = []
+    for stage in STAGES:
+        parts.append(f"\n## ZeRO stage {stage}")
+        total, rows = dict.fromkeys(columns(stage), 0), []
+        for name in files:
+            stock, plugin = load(result_path(out, "stock", name)), load(result_path(out, "plugin", name))
+            row, problems = file_row(stock, plugin, stage)
+            rows.append((name, row))
+            total = {c: total[c] + row[c] for c in total}
+            parts.append(format_rows([(name, row)]))
+            parts += [f"  {outcome}: {nodeid}: {message}" for outcome, nodeid, message in problems]
+        parts.append(f"\nall files, stage {stage}:\n" + format_rows([*rows, ("total", total)]))
     return "\n".join(parts)
 
 
