@@ -701,6 +701,7 @@ def assert_same_run(ours: dict, reference: dict, where: str) -> None:
     assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), where
 
 
+@pytest.mark.extended  # CI time (35 s; its CPU runs stay): -m extended
 @pytest.mark.cuda_emulated
 def test_saved_and_resumed_at_another_world_size_on_emulated_cuda(runs, tmp_path):
     """On an emulated CUDA device under NCCL's rules (tests/helpers/emulated_cuda.py): saved at 2 ranks (state_dict

@@ -73,7 +73,8 @@ def test_zero_offload_keeps_the_host_work_off_the_autograd_thread(tmp_path):
     "emulated",
     # CI time: the 1,000-layer model through emulated dispatch takes 60-70 s; the CPU twin (default suite) counts
     # the same step on the same 2,000 tensors; `pytest -m cuda_emulated` runs the emulated one with the tier
-    [pytest.param(True, marks=pytest.mark.extended), False],
+    # CI time (25 s): the CPU one too; test_on_emulated_cuda_a_step_dispatches_no_operator_per_tensor stays
+    [pytest.param(True, marks=pytest.mark.extended), pytest.param(False, marks=pytest.mark.extended)],
     ids=["cuda", "cpu"],
 )
 def test_step_operators_do_not_grow_with_the_tensor_count(tmp_path, emulated):

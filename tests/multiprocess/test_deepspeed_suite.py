@@ -57,6 +57,7 @@ def test_a_stage_0_engine_is_not_recorded(tmp_path):
     assert "optimizer: " in out and events == []
 
 
+@pytest.mark.extended  # CI time (22 s; the stage-1/2 plugin run stays): -m extended
 def test_the_plugin_run_gives_a_stage_3_engine_and_a_zero_init_the_block(tmp_path):
     # the engine's own zero.Init (DeepSpeedZeRoOffload converting the model) is recorded as one too
     for extra in ((), ("init",)):  # ("init",): the model built under zero.Init, its config a file's path

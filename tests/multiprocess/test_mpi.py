@@ -166,6 +166,7 @@ def test_several_models_on_one_plan_with_the_mpi_backend(tmp_path):
         assert_overlapped(joint)
 
 
+@pytest.mark.extended  # CI time (27 s): -m extended
 def test_mpi_backend_honours_communication_dtype_and_stage1_features(tmp_path):
     cases = [
         f"{s}:{m}" for s in ("bf16_comm_fp32", "no_sync_stage1", "bf16_accum_fp32_stage1") for m in ("stock", "tsmpi")
@@ -232,6 +233,7 @@ RETURNING = os.path.join(WORKERS, "returning_script.py")
 EXIT_REPEATS = 2
 
 
+@pytest.mark.extended  # CI time (27 s): -m extended
 def test_a_script_that_returns_exits_0_with_the_job_ended_in_order():
     """A script that just returns (tests/workers/returning_script.py, mpi transport, no teardown of its own),
     ``EXIT_REPEATS`` times under mpiexec: every launch exits 0, and a handler the script registered before

@@ -67,6 +67,7 @@ def test_tensor_parallel_ranks_hold_their_shards_and_the_same_replicas(tp):
 AUTOTP_CASES = [f"{d}:{s}" for d in ("fp32", "bf16") for s in (1, 2)]
 
 
+@pytest.mark.extended  # CI time (27 s): -m extended; TP with an mpu stays in the default suite
 def test_autotp_trains_as_stock_with_the_same_config(tmp_path):
     """DeepSpeed's AutoTP (``tensor_parallel.autotp_size`` 2 with ``partition_config`` patterns; the engine shards
     the model's linears itself) at 2 tensor-parallel x 2 data-parallel ranks, stages 1 and 2, fp32 and bf16: stock

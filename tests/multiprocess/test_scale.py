@@ -143,6 +143,7 @@ def split_checkpoints(tmp_path_factory):
     return {"dir": d, **{key: torch.load(d / f"{name}.pt") for key, name in names.items()}}
 
 
+@pytest.mark.extended  # CI time (split_checkpoints' launches, 47 s; split training stays): -m extended
 def test_split_checkpoint_is_split_on_disk(split_checkpoints):
     from ds_tensorshard.checkpoints.files import load
 
@@ -155,11 +156,13 @@ def test_split_checkpoint_is_split_on_disk(split_checkpoints):
     assert len(blocks) >= 2 and sorted(b[0] for b in blocks)[0] == 0
 
 
+@pytest.mark.extended  # CI time (as above): -m extended
 @pytest.mark.parametrize("resumed,reference", [("3to2whole", "split3"), ("2to3split", "whole2")])
 def test_resume_across_a_change_of_plan_matches_the_uninterrupted_run(split_checkpoints, resumed, reference):
     assert_continues(split_checkpoints[resumed], split_checkpoints[reference])
 
 
+@pytest.mark.extended  # CI time (as above): -m extended
 def test_split_checkpoint_converts_to_stock_zero_and_fp32(split_checkpoints):
     d = split_checkpoints["dir"]
     assert_continues(split_checkpoints["stock_from_split"], split_checkpoints["split3"])
