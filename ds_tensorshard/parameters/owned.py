@@ -179,11 +179,10 @@ class OwnedParameters:
         key = tuple(p.ds_id for p in batch)
         layout = self._layouts.get(key)
         if layout is None:
-            blocks = [p.ts_blocks for p in batch]
-            layout = GatherLayout.of(blocks, self.rank)
+            layout = GatherLayout.of([p.ts_blocks for p in batch], self.rank)
             if self.comm.device.type != "cpu":  # accelerators: one all-reduce where the model prices it faster
                 spans = [numel * batch[0].element_size() for _, _, numel in layout.spans]
-                layout = GatherLayout.of(blocks, self.rank, sum_gather_faster(spans, self.comm.world_size))
+                layout.summed = sum_gather_faster(spans, self.comm.world_size)
             self._layouts[key] = layout
         return layout
 
