@@ -10,8 +10,10 @@ import atexit
 import glob
 import json
 import os
+import random
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +21,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ds_tensorshard.bench import runner
 from ds_tensorshard.bench.runner import kill_group
 from tests.helpers import forkserver
 
@@ -27,11 +28,37 @@ TIMEOUT_S = 600
 _LAUNCH_PORTS: set[int] = set()  # the ports free_port handed out since remove_launch_segments last ran
 
 
+# Rendezvous ports come from below the kernel's ephemeral range (32768 and up on Linux), where the many
+# connections gloo and MPI open take their local ports: a port asked of the kernel (bind to port 0) and closed
+# again could be taken by such a connection before the launch binds it (the rank then fails, its peers wait).
+# Each pytest-xdist worker hands out its own block, in turn, from a random start within it.
+_PORTS_FROM, _PORT_BLOCK = 10000, 2500
+_NEXT_PORT: list[int] = []
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
 def free_port() -> int:
-    """A TCP port for one launch's rendezvous; its /dev/shm segments go at :func:`remove_launch_segments`."""
-    port = runner.free_port()
-    _LAUNCH_PORTS.add(port)
-    return port
+    """A TCP port for one launch's rendezvous, from this test worker's own block, that nothing is bound to
+    now; its /dev/shm segments go at :func:`remove_launch_segments`."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    start = _PORTS_FROM + _PORT_BLOCK * (int(worker[2:]) % 8 if worker[2:].isdigit() else 0)
+    if not _NEXT_PORT:
+        _NEXT_PORT.append(random.randrange(_PORT_BLOCK))
+    for _ in range(_PORT_BLOCK):
+        port = start + _NEXT_PORT[0] % _PORT_BLOCK
+        _NEXT_PORT[0] += 1
+        if not _port_in_use(port):
+            _LAUNCH_PORTS.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port in {start}-{start + _PORT_BLOCK - 1}")
 
 
 def launch_segments(port: int) -> list[str]:
@@ -146,7 +173,8 @@ def run_in_group(cmd: Sequence[str], timeout: float = TIMEOUT_S, **kwargs: Any) 
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
-        raise
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{list(cmd)} did not finish within {timeout}s:\n{out[-4000:]}\n{err[-6000:]}") from None
     finally:
         kill_group(proc)  # a launcher that returned may leave ranks behind: none survives
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -29,8 +29,12 @@ def mpi_env(port: int) -> dict:
 
 
 def mpiexec(args, n, extra=()):
+    """``mpiexec -n N python -m mpi4py ARGS``: mpi4py's runner aborts the job on a rank's uncaught exception,
+    where the other ranks would otherwise wait for it until the timeout."""
     port = free_port()
-    proc = run_in_group([MPIEXEC, *extra, "-n", str(n), sys.executable, *args], env=mpi_env(port), timeout=TIMEOUT_S)
+    proc = run_in_group(
+        [MPIEXEC, *extra, "-n", str(n), sys.executable, "-m", "mpi4py", *args], env=mpi_env(port), timeout=TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

@@ -38,7 +38,7 @@ def tp(tmp_path_factory):
     run_ranks([WORKER, str(out), "2", *CASES, *STRIPES], 4)
     port = free_port()
     proc = run_in_group(
-        [MPIEXEC, "-n", "4", sys.executable, WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
+        [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
         env={**launcher_env(), "MASTER_PORT": str(port)},
         timeout=TIMEOUT_S,
     )
@@ -248,7 +248,7 @@ def sp_runs(out, cases: list[str], mpi_cases: list[str]):
         port = free_port()
         worker = os.path.join(WORKERS, "sp_worker.py")
         proc = run_in_group(
-            [MPIEXEC, "-n", "4", sys.executable, worker, str(out), "2", *mpi_cases],
+            [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", worker, str(out), "2", *mpi_cases],
             env={**launcher_env(), "MASTER_PORT": str(port)},
             timeout=TIMEOUT_S,
         )

@@ -40,7 +40,7 @@ def launch(n: int, transport: str, out) -> None:
         return
     port = free_port()
     proc = run_in_group(
-        [MPIEXEC, "-n", str(n), sys.executable, worker, str(out), *MPI_CASES],
+        [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", worker, str(out), *MPI_CASES],
         env={**launcher_env(), **VOCAB, "MASTER_PORT": str(port)},
         timeout=TIMEOUT_S,
     )
