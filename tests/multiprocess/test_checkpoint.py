@@ -54,21 +54,16 @@ MOE_EP1, MOE_EP2 = ("--moe", "2:1:2"), ("--moe", "2:2:1")  # 2 experts, expert p
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every checkpoint run of this module, in six launches: a world size's runs share one, in the order
-    their checkpoints are made."""
+    """Every checkpoint run of this module but the MoE ones, in five launches: a world size's runs share one, in
+    the order their checkpoints are made."""
     d = tmp_path_factory.mktemp("ckpt")
     r = {"dir": d}
-    r["ref2"], r["stock2"], r["stock2to2"], r["moe2"], r["moe_stock2"], r["moe_stock2to2"], r["moe_ep2"] = train(
+    r["ref2"], r["stock2"], r["stock2to2"] = train(
         2,
         (d / "ref2.pt", "fp32", "ts", 2, "--save", d / "c2", "--save-at", 3),
         (d / "s2.pt", "fp32", "stock", 2, "--save", d / "s2", "--save-at", 3),
         (d / "ls22.pt", "fp32", "ts", 2, "--load", d / "s2"),
-        (d / "m2.pt", "fp32", "ts", 2, "--save", d / "m2", "--save-at", 3, *MOE_EP1),
-        (d / "ms2.pt", "fp32", "stock", 2, "--save", d / "ms2", "--save-at", 3, *MOE_EP1),
-        (d / "lms22.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
-        (d / "me2.pt", "fp32", "ts", 1, "--save", d / "me2", "--save-at", 6, *MOE_EP2),
     )
-    (r["moe_other_ep"],) = train(2, (d / "mx.pt", "fp32", "ts", 2, "--load", d / "m2", "--load-refused", *MOE_EP2))
     codes = run_until_one_dies(
         [
             WORKER,
@@ -105,16 +100,7 @@ def runs(tmp_path_factory):
     )
     assert universal.returncode == 0, universal.stderr[-3000:]
     cli("convert-checkpoint", d / "c2", d / "c2_as_zero", "--to", "zero", "--world-size", 3, "--stage", 2)
-    (
-        r["ref3"],
-        r["stock1bf16"],
-        r["2to3"],
-        r["stock2to3s1"],
-        r["universal3"],
-        r["stock_from_ts"],
-        r["moe2to3"],
-        r["moe_stock2to3"],
-    ) = train(
+    (r["ref3"], r["stock1bf16"], r["2to3"], r["stock2to3s1"], r["universal3"], r["stock_from_ts"]) = train(
         3,
         (d / "ref3.pt", "fp32", "ts", 2, "--save", d / "c3", "--save-at", 3),
         (d / "sb.pt", "bf16", "stock", 1, "--save", d / "sb", "--save-at", 3),
@@ -122,8 +108,6 @@ def runs(tmp_path_factory):
         (d / "ls23.pt", "fp32", "ts", 1, "--load", d / "s2"),
         (d / "lu3.pt", "fp32", "ts", 2, "--load", d / "s2", "--universal"),
         (d / "lsz.pt", "fp32", "stock", 2, "--load", d / "c2_as_zero"),
-        (d / "lm23.pt", "fp32", "ts", 2, "--load", d / "m2", *MOE_EP1),
-        (d / "lms23.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
     )
     cli("convert-checkpoint", d / "s2", d / "s2_as_ts", "--to", "tensorshard", "--world-size", 3)
     r["3to2"], r["stock1bf16to2"], r["converted_stock"], r["after_kill"] = train(
@@ -172,35 +156,62 @@ def test_stock_zero1_bf16_checkpoint_from_3_ranks_continues_at_2(runs):
     assert_continues(runs["stock1bf16to2"], runs["stock1bf16"], BF16, first_step=3)
 
 
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """DeepSpeed MoE checkpoints (-m extended, CI time; MoE training stays in the default suite, test_moe.py):
+    expert parallel 1 saved at 2 ranks by ds_tensorshard and stock, resumed at 2 and 3; expert parallel 2 saved
+    at 2 ranks, and loaded at another expert-parallel size."""
+    d = tmp_path_factory.mktemp("moe_ckpt")
+    r = {"dir": d}
+    r["moe2"], r["moe_stock2"], r["moe_stock2to2"], r["moe_ep2"] = train(
+        2,
+        (d / "m2.pt", "fp32", "ts", 2, "--save", d / "m2", "--save-at", 3, *MOE_EP1),
+        (d / "ms2.pt", "fp32", "stock", 2, "--save", d / "ms2", "--save-at", 3, *MOE_EP1),
+        (d / "lms22.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
+        (d / "me2.pt", "fp32", "ts", 1, "--save", d / "me2", "--save-at", 6, *MOE_EP2),
+    )
+    (r["moe_other_ep"],) = train(2, (d / "mx.pt", "fp32", "ts", 2, "--load", d / "m2", "--load-refused", *MOE_EP2))
+    r["moe2to3"], r["moe_stock2to3"] = train(
+        3,
+        (d / "lm23.pt", "fp32", "ts", 2, "--load", d / "m2", *MOE_EP1),
+        (d / "lms23.pt", "fp32", "ts", 2, "--load", d / "ms2", *MOE_EP1),
+    )
+    return r
+
+
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "resumed,reference", [("moe2to3", "moe2"), ("moe_stock2to2", "moe_stock2"), ("moe_stock2to3", "moe_stock2")]
 )
-def test_moe_checkpoints_resume_at_another_world_size_and_from_stock(runs, resumed, reference):
+def test_moe_checkpoints_resume_at_another_world_size_and_from_stock(moe_runs, resumed, reference):
     """DeepSpeed MoE, expert parallel 1: each expert's masters and moments found by global expert index
     whichever rank owned them (2 ranks -> 3), and stock MoE ZeRO-2's files at 2 ranks and at 3."""
-    assert_continues(runs[resumed], runs[reference], FP32, first_step=3)
+    assert_continues(moe_runs[resumed], moe_runs[reference], FP32, first_step=3)
 
 
-def test_moe_fp32_export_gives_every_expert(runs, tmp_path):
+@pytest.mark.extended
+def test_moe_fp32_export_gives_every_expert(moe_runs, tmp_path):
     """Expert parallel 2 at 2 ranks: each rank holds one expert; the export holds both, by global expert index,
     equal to the parameters the run ended with."""
-    cli("convert-checkpoint", runs["dir"] / "me2", tmp_path / "w.pt", "--to", "fp32")
-    weights, trained = torch.load(tmp_path / "w.pt"), runs["moe_ep2"]["params"]
+    cli("convert-checkpoint", moe_runs["dir"] / "me2", tmp_path / "w.pt", "--to", "fp32")
+    weights, trained = torch.load(tmp_path / "w.pt"), moe_runs["moe_ep2"]["params"]
     assert sorted(weights) == sorted(trained) and any(".deepspeed_experts.1." in n for n in weights), sorted(weights)
     for name, value in trained.items():
         assert torch.equal(weights[name], value), name
 
 
-def test_moe_checkpoint_at_another_expert_parallel_size_is_refused(runs):
+@pytest.mark.extended
+def test_moe_checkpoint_at_another_expert_parallel_size_is_refused(moe_runs):
     assert (
         "MoE param groups ['ep_size_1', 'ep_size_1'], this engine ['ep_size_2', 'ep_size_2']"
-        in (runs["moe_other_ep"]["refused"])
+        in (moe_runs["moe_other_ep"]["refused"])
     )
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("to,source", [("zero", "m2"), ("tensorshard", "ms2")])
-def test_moe_checkpoint_conversion_to_zero_or_tensorshard_is_refused(runs, tmp_path, to, source):
-    proc = run_cli("convert-checkpoint", runs["dir"] / source, tmp_path / "out", "--to", to, "--world-size", 2)
+def test_moe_checkpoint_conversion_to_zero_or_tensorshard_is_refused(moe_runs, tmp_path, to, source):
+    proc = run_cli("convert-checkpoint", moe_runs["dir"] / source, tmp_path / "out", "--to", to, "--world-size", 2)
     assert proc.returncode != 0 and f"--to {to} of a mixture-of-experts checkpoint" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
 

@@ -51,6 +51,7 @@ def rounds(outputs: list[str]) -> set[tuple[int, str]]:
     return {(int(m.group(1)), m.group(2)) for m in found if m}
 
 
+@pytest.mark.extended  # CI time (19 s): the store's rounds stay in tests/unit/test_elastic_store.py
 def test_each_round_gets_a_store_of_its_own_where_the_agent_shares_one():
     agent = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     first = run_round(agent, True, 0.0, 0)

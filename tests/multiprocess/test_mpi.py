@@ -91,6 +91,7 @@ def test_mpi_stripes_train_like_stock(mpi_world):
                 assert ours["losses"] == load(mpi_case.replace(":tsmpi-", ":ts-"), rank)["losses"], mpi_case
 
 
+@pytest.mark.extended  # CI time (20 s): the module runner under the deepspeed launcher stays (test_module_runner)
 def test_mpiexec_runs_unmodified_script_through_the_module_runner():
     found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--comm-backend", "mpi", "--port", str(free_port())], 2))
     assert [(r["rank"], r["optimizer"], r["transport"]) for r in found] == [

@@ -32,25 +32,48 @@ def as_run(result: dict) -> dict:
     return {"losses": [result["losses"][k] for k in sorted(result["losses"])], "params": result["params"]}
 
 
-@pytest.fixture(scope="module")
-def tp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    run_ranks([WORKER, str(out), "2", *CASES, *STRIPES], 4)
-    port = free_port()
-    proc = run_in_group(
-        [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", WORKER, str(out), "2", "fp32:tsmpi:2", "fp32:tsmpi:1"],
-        env={**launcher_env(), "MASTER_PORT": str(port)},
-        timeout=TIMEOUT_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+FP32_CASES = [c for c in CASES if c.startswith("fp32:")]
+TP_WIDE = [c for c in CASES if c.startswith("bf16:ts:")] + ["fp32:tsmpi:2", "fp32:tsmpi:1"]  # -m extended: CI time
+
+
+def tp_runs(out, cases: list[str], mpi_cases: list[str]):
+    """tp_worker.py's ``cases`` at 2 tensor x 2 data-parallel ranks, ``mpi_cases`` under mpiexec."""
+    run_ranks([WORKER, str(out), "2", *cases], 4)
+    if mpi_cases:
+        port = free_port()
+        proc = run_in_group(
+            [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", WORKER, str(out), "2", *mpi_cases],
+            env={**launcher_env(), "MASTER_PORT": str(port)},
+            timeout=TIMEOUT_S,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if ":ts:" in c] + ["fp32:tsmpi:2", "fp32:tsmpi:1", *STRIPES])
-def test_tensor_parallel_trains_as_stock_with_the_same_mpu(tp, case):
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    return tp_runs(tmp_path_factory.mktemp("tp"), [*FP32_CASES, *STRIPES], [])
+
+
+@pytest.fixture(scope="module")
+def tp_wide(tmp_path_factory):
+    """bf16 and the mpi transport (-m extended, CI time)."""
+    bf16 = [c for c in CASES if c.startswith("bf16:")]
+    return tp_runs(tmp_path_factory.mktemp("tp_wide"), bf16, ["fp32:tsmpi:2", "fp32:tsmpi:1"])
+
+
+TP_CASES = (
+    [c for c in FP32_CASES if ":ts:" in c] + STRIPES + [pytest.param(c, marks=pytest.mark.extended) for c in TP_WIDE]
+)
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tensor_parallel_trains_as_stock_with_the_same_mpu(request, case):
+    runs = request.getfixturevalue("tp_wide" if case in TP_WIDE else "tp")
     dtype, _, stage = case.split(":")
+    stock_runs = request.getfixturevalue("tp" if dtype == "fp32" else "tp_wide")  # stock fp32 runs in `tp`
     for rank in range(4):
-        ours, stock = tp(case, rank), tp(f"{dtype}:stock:{stage}", rank)
+        ours, stock = runs(case, rank), stock_runs(f"{dtype}:stock:{stage}", rank)
         assert ours["optimizer_class"] == "TensorShardOptimizer"
         assert_run_matches(as_run(ours), as_run(stock), dtype, f"{case} rank {rank}")
         for step, norm in stock["norms"].items():  # the model-parallel norm rule
@@ -173,12 +196,21 @@ def pipe_runs(out, world, *args) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
+    """fp32 at 2 stages x 2 data-parallel ranks, stock's and ours, ours saved and resumed at that layout."""
     d = tmp_path_factory.mktemp("pipe")
-    stripes = "fp32:ts-stripes"  # before fp32:ts: the last case saves the checkpoint
-    runs = pipe_runs(d / "2x2", 4, "fp32:stock", "bf16:stock", "bf16:ts", stripes, "fp32:ts", "--save", d / "c")
-    runs["2x1"] = pipe_runs(d / "2x1", 2, "fp32:stock", "fp32:ts")
+    runs = pipe_runs(d / "2x2", 4, "fp32:stock", "fp32:ts", "--save", d / "c")
     runs["resumed 2x2"] = pipe_runs(d / "r22", 4, "fp32:ts", "--load", d / "c")["fp32:ts"]
-    runs["resumed 2x1"] = pipe_runs(d / "r21", 2, "fp32:ts", "--load", d / "c")["fp32:ts"]
+    runs["checkpoint"] = d / "c"
+    return runs
+
+
+@pytest.fixture(scope="module")
+def pipeline_wide(pipeline, tmp_path_factory):
+    """bf16, stripes, one data-parallel rank and the resume at it (-m extended, CI time)."""
+    d = tmp_path_factory.mktemp("pipe_wide")
+    runs = pipe_runs(d / "2x2", 4, "bf16:stock", "bf16:ts", "fp32:ts-stripes")
+    runs["2x1"] = pipe_runs(d / "2x1", 2, "fp32:stock", "fp32:ts")
+    runs["resumed 2x1"] = pipe_runs(d / "r21", 2, "fp32:ts", "--load", pipeline["checkpoint"])["fp32:ts"]
     return runs
 
 
@@ -201,33 +233,42 @@ def assert_stages_match(
                 torch.testing.assert_close(result["params"][name], value, rtol=0, atol=param_atol, msg=name)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_pipeline_trains_as_stock_pipeline_engine_with_zero1(pipeline, dtype):
-    ours = pipeline[f"{dtype}:ts"]
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.extended)])
+def test_pipeline_trains_as_stock_pipeline_engine_with_zero1(request, dtype):
+    runs = request.getfixturevalue("pipeline" if dtype == "fp32" else "pipeline_wide")
+    ours = runs[f"{dtype}:ts"]
     assert {r["optimizer_class"] for r in ours.values()} == {"TensorShardOptimizer"} and sorted(ours) == [0, 1]
     assert "tied_modules.embed.weight" in ours[0]["params"] and "tied_modules.embed.weight" in ours[1]["params"]
-    assert_stages_match(ours, pipeline[f"{dtype}:stock"], dtype, f"{dtype} 2 stages x 2 data-parallel")
+    assert_stages_match(ours, runs[f"{dtype}:stock"], dtype, f"{dtype} 2 stages x 2 data-parallel")
     assert torch.equal(ours[0]["params"]["tied_modules.embed.weight"], ours[1]["params"]["tied_modules.embed.weight"])
 
 
-def test_pipeline_with_stripes_trains_as_stock(pipeline):
-    ours = pipeline["fp32:ts-stripes"]
+@pytest.mark.extended  # CI time: pipeline_wide's launches
+def test_pipeline_with_stripes_trains_as_stock(pipeline, pipeline_wide):
+    ours = pipeline_wide["fp32:ts-stripes"]
     assert {r["optimizer_class"] for r in ours.values()} == {"TensorShardOptimizer"} and sorted(ours) == [0, 1]
     assert_stages_match(ours, pipeline["fp32:stock"], "fp32", "stripes, 2 stages x 2 data-parallel")
 
 
-def test_pipeline_with_one_data_parallel_rank_trains_as_stock(pipeline):
-    assert_stages_match(pipeline["2x1"]["fp32:ts"], pipeline["2x1"]["fp32:stock"], "fp32", "2 stages x 1")
+@pytest.mark.extended  # CI time: pipeline_wide's launches
+def test_pipeline_with_one_data_parallel_rank_trains_as_stock(pipeline_wide):
+    assert_stages_match(pipeline_wide["2x1"]["fp32:ts"], pipeline_wide["2x1"]["fp32:stock"], "fp32", "2 stages x 1")
 
 
-def test_pipeline_resumes_exactly_and_at_another_data_parallel_size(pipeline):
+def test_pipeline_resumes_exactly(pipeline):
     reference = pipeline["fp32:ts"]
     for stage, resumed in pipeline["resumed 2x2"].items():  # same layout: bit for bit
         assert resumed["losses"] == {k: v for k, v in reference[stage]["losses"].items() if k >= 3}
         assert all(torch.equal(resumed["params"][k], v) for k, v in reference[stage]["params"].items())
+
+
+@pytest.mark.extended  # CI time: pipeline_wide's launches
+def test_pipeline_resumes_at_another_data_parallel_size(pipeline, pipeline_wide):
     # another data-parallel size sums gradients in another order: stock itself moves these parameters by
     # up to 1.7e-4 between 2 x 1 and 2 x 3 data-parallel runs (measured), so parameters are held to 5e-4
-    assert_stages_match(pipeline["resumed 2x1"], reference, "fp32", "resumed at 2 x 1", first_step=3, param_atol=5e-4)
+    assert_stages_match(
+        pipeline_wide["resumed 2x1"], pipeline["fp32:ts"], "fp32", "resumed at 2 x 1", first_step=3, param_atol=5e-4
+    )
 
 
 @pytest.mark.scale

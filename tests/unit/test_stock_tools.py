@@ -243,6 +243,7 @@ def test_fp32_export_as_sharded_safetensors_and_torch_shards_in_any_dtype(saves,
     assert_same(torch_shards, reference, torch.float16)
 
 
+@pytest.mark.extended  # CI time (18 s): the streamed exports stay in tests/multiprocess/test_checkpoint.py
 def test_safetensors_export_holds_one_tensor_at_a_time(saves, tmp_path):
     """Each tensor is read when it is written and gone before the next is read."""
     alive: list = []
