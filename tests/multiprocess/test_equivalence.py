@@ -221,6 +221,7 @@ def test_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, equivalence_
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time (15 s); the emulated equivalence of the default layout stays
 def test_on_emulated_cuda_flat_parameters_train_as_on_the_cpu(tmp_path, equivalence_runs):
     """Flat parameters on an accelerator: the storage on the device, the parameters views of it, the gather one
     all-gather in place (NCCL's: the input this rank's slot of the storage itself, no copy; the cost model's route at
@@ -238,6 +239,7 @@ def test_on_emulated_cuda_flat_parameters_train_as_on_the_cpu(tmp_path, equivale
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time (15 s); the emulated equivalence of the default layout stays
 def test_on_emulated_cuda_stripes_by_all_reduce_train_as_on_the_cpu(tmp_path, equivalence_runs):
     """Stripes reduced and gathered by all-reduce (on an accelerator the cost model's route for small stripes from 8
     ranks; forced here at 2): device buffers, the gather's -0.0 fill, and bit for bit the CPU run, which at 2 ranks
