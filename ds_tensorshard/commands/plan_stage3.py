@@ -63,14 +63,14 @@ def memory_report(names: Sequence[str], numels: Sequence[int], plan: OwnershipPl
 
 
 def _reduction(numels: Sequence[int], owned: Sequence[int], net: Network, element_bytes: int) -> Cost:
-    """The gradients' reduction on accelerators at stage 3: the default stripes of stages 1/2 (chosen as a run
-    chooses them, on the default network; stage 3 lays no parameter flat), their reduce-scatters alone, and the
+    """The gradients' reduction on accelerators at stage 3: the default stripes (chosen as a stage-3 run chooses
+    them: against stock ZeRO-3's reduction; stage 3 lays no parameter flat), their reduce-scatters alone, and the
     norm."""
     n = len(owned)
     if n == 1:
         return Cost(0, 0.0, 0.0)
     wire = Wire("torch", "an accelerator", on_cpu=False)
-    choice = choose_layout(TensorShardConfig(), {}, wire, numels, owned, element_bytes)
+    choice = choose_layout(TensorShardConfig(), {"zero_optimization": {"stage": 3}}, wire, numels, owned, element_bytes)
     routes = choice.routes(n)
     under = (routes.reduce_below, routes.gather_below)
     return tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, net, element_bytes, under, gather=False)

@@ -267,6 +267,17 @@ def _chunks(sizes: Iterable[int], limit: int) -> list[int]:
     return chunks + ([total] if total else [])
 
 
+def stock_zero3_reduction(numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int) -> Cost:
+    """Stock ZeRO-3's gradient reduction per step: a reduce-scatter per bucket of ``bucket_numel``
+    (``reduce_bucket_size``; each tensor padded to ``n``) and the norm."""
+    if n == 1:
+        return Cost(0, 0.0, 0.0)
+    size = lambda bucket: sum(-(-numels[p] // n) * n for p in bucket) * element_bytes  # noqa: E731
+    times = [all_gather(size(bucket), n, net) for bucket in stock_buckets(list(numels), bucket_numel)]
+    times.append(_norm(n, net))
+    return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
+
+
 def stock_zero2_cost(
     numels: Sequence[int], n: int, bucket_numel: int, net: Network, element_bytes: int, multi_rank: bool = True
 ) -> Cost:

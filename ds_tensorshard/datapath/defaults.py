@@ -16,6 +16,8 @@ the backend and the world size (``bucket_layout: "auto"``, the default).
   within them gets there, the fewest buckets they allow (the fastest), routed to the smaller worse ratio. The
   routes (:func:`route_candidates`) are priced with each size. Windows at the same size are never faster by the
   model (two launches per owner present against two per bucket), so they are not priced.
+  At ZeRO stage 3 the stripes only reduce (the next forward gathers the parameters): the same rule against stock
+  ZeRO-3's reduction (reduce-scatters of ``reduce_bucket_size`` buckets and the norm) instead.
   One rank communicates nothing: windows of ``DEFAULT_BUCKET_NUMEL``.
 - Stripes travel by :class:`StripeRoutes`: each way one all-reduce of the whole stripe instead of the
   reduce-scatter / all-gather where chosen with the size (accelerators; a size set in the config, or another
@@ -51,6 +53,7 @@ from ds_tensorshard.datapath.cost_model import (
     all_reduce_below,
     most_stripes,
     stock_zero2_cost,
+    stock_zero3_reduction,
     tensorshard_stripes_cost,
 )
 from ds_tensorshard.datapath.shapes import numel_of
@@ -218,7 +221,8 @@ def choose_layout(
             f"{given}; stripes: on {wire.transport} at {n} ranks the cost model "
             "prices them below windows at any bucket size",
         )
-    bucket, routes, why = default_stripes(numels, owned, element_bytes)
+    stage3 = (param_dict.get("zero_optimization") or {}).get("stage") == 3
+    bucket, routes, why = default_stripes(numels, owned, element_bytes, stage3=stage3)
     return choice("stripes", bucket, f"{'bucket_layout set in the config; ' if layout else ''}{why}", routes=routes)
 
 
@@ -242,16 +246,21 @@ def route_candidates(n: int) -> list[StripeRoutes]:
 
 
 def default_stripes(
-    numels: Sequence[int], owned: Sequence[int], element_bytes: int, flat_numel: int = 0
+    numels: Sequence[int], owned: Sequence[int], element_bytes: int, flat_numel: int = 0, stage3: bool = False
 ) -> tuple[int, StripeRoutes, str]:
     """The stripes' bucket size on an accelerator and their routes (the rule in the module's docstring; ``flat_numel``:
-    the flat parameters' storage, gathered whole) and the reason, in words."""
+    the flat parameters' storage, gathered whole; ``stage3``: the reductions alone, against stock ZeRO-3's) and the
+    reason, in words."""
     n, fullest = len(owned), max(owned)
-    stocks = [stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds for net in FABRICS]
+    stock_cost = stock_zero3_reduction if stage3 else stock_zero2_cost
+    stocks = [stock_cost(numels, n, STOCK_REDUCE_BUCKET, net, element_bytes).seconds for net in FABRICS]
 
     def ratios(bucket: int, routes: StripeRoutes) -> list[float]:
         under = (routes.reduce_below, routes.gather_below)
-        costs = [tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, under, flat_numel) for net in FABRICS]
+        costs = [
+            tensorshard_stripes_cost(fullest, n, bucket, net, element_bytes, under, flat_numel, gather=not stage3)
+            for net in FABRICS
+        ]
         return [cost.seconds / stock if stock else 1.0 for cost, stock in zip(costs, stocks)]
 
     priced = []
@@ -261,11 +270,12 @@ def default_stripes(
         priced.append((bucket, max(ratios(bucket, routes)), routes))
     within = [choice for choice in priced if choice[1] <= TARGET]
     bucket, _, routes = min(within or priced, key=lambda choice: choice[:2])  # the most buckets, then fastest
+    stock = "stock ZeRO-3's reduction" if stage3 else "stock ZeRO-2's communication"
     rule = (
-        f"the most buckets predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
+        f"the most buckets predicted within {TARGET}x {stock} at its defaults"
         if within
         else f"the fewest buckets (the fastest) with flat buffers within stock's {STOCK_REDUCE_BUCKET:,}-element "
-        f"bucket; none there is predicted within {TARGET}x stock ZeRO-2's communication at its defaults"
+        f"bucket; none there is predicted within {TARGET}x {stock} at its defaults"
     )
     each = "; ".join(
         f"{describe(net)}: {ratio:.2f}x of {stock * 1e3:,.1f} ms"

@@ -36,7 +36,7 @@ from ds_tensorshard.datapath.cost_model import (
     all_gather,
     all_reduce,
     rooted,
-    stock_buckets,
+    stock_zero3_reduction,
 )
 from ds_tensorshard.datapath.plan import Block
 
@@ -153,9 +153,14 @@ def stock_zero3_cost(
         return Cost(0, 0.0, 0.0)
     size = lambda params: sum(_padded(numels[p], n) for p in params) * element_bytes  # noqa: E731
     gathers = [all_gather(size(batch), n, net) for batch in batches]
-    reduces = [all_gather(size(bucket), n, net) for bucket in stock_buckets(list(numels), reduce_bucket)]
     persistent = [all_gather(size([p]), n, net) for p in persistent_of(numels, bounds.persistence)]
-    return _cost([*gathers, *reduces, all_reduce(4, n, net), *persistent])
+    gathered, reduced = (
+        _cost([*gathers, *persistent]),
+        stock_zero3_reduction(numels, n, reduce_bucket, net, element_bytes),
+    )
+    return Cost(
+        gathered.launches + reduced.launches, gathered.seconds + reduced.seconds, gathered.latency_s + reduced.latency_s
+    )
 
 
 def sum_gather_faster(spans: Sequence[int], n: int, net: Network = DEFAULT_NETWORK) -> bool:
