@@ -29,7 +29,7 @@ from tests.helpers.ranks import run_deepspeed_launcher, run_ranks
 
 WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
-FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd")
+FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "zerograd")
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
