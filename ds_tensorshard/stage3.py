@@ -166,6 +166,15 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self._partition_all_parameters()
         super().step(closure)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As at stages 1/2, and between the micro-steps of an accumulation also the gradients the owners have
+        reduced since the last step are dropped: stock's stage 3 restarts its accumulation there (its next backward
+        overwrites its gradient partitions), so the step's gradient is that of the backward passes after the call
+        (Lightning calls it so when resumed from a checkpoint saved at an epoch's end)."""
+        super().zero_grad(set_to_none)
+        if self.phase is Phase.ACCUMULATING and self.shard.grads.accumulated:
+            self.shard.drop_grads()
+
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's file: its trained tensors' masters and state, as at stages 1/2, and the untrained parameters

@@ -78,6 +78,7 @@ class OwnedGradients:
         self.blocks, self.host, self.accum_dtype, self.device = blocks, host, accum_dtype, device
         self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
         self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
+        self.accumulated = False  # a gradient was added or set since the last zero()
         self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
         self.sections: list[Section] = []
         self.section_of: dict[torch.nn.Parameter, Section] = {}
@@ -177,6 +178,7 @@ class OwnedGradients:
         a Muon matrix kept on the device) crosses to pinned host memory without blocking, and the worker adds it
         there once the copy is done."""
         views, sizes, on_host = self._destinations(segment)
+        self.accumulated = True
         if not any(on_host):
             _add(views, reduced, sizes, self.accum_dtype)
             return
@@ -201,6 +203,7 @@ class OwnedGradients:
     def set(self, param: torch.nn.Parameter, value: torch.Tensor, step: bool) -> None:
         """Set ``param``'s block of the accumulated (or, ``step``, the step's fp32) gradient to ``value``."""
         self.settle()
+        self.accumulated = True
         self.view(param, step).view(-1).copy_(value.reshape(-1))
 
     @torch.no_grad()
@@ -254,7 +257,7 @@ class OwnedGradients:
     def zero(self) -> None:
         """The step is done: the accumulation starts again from zero."""
         self.settle()
-        self.narrowed = False
+        self.narrowed = self.accumulated = False
         for section in self.sections:
             section.buffer.zero_()
 

@@ -29,7 +29,7 @@ from tests.helpers.ranks import run_deepspeed_launcher, run_ranks
 
 WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
-FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd")
+FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "zerograd")
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
@@ -178,7 +178,8 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     the embedding and each fc/out are gathered per module and the rest persist; at 0 nothing persists and a rank
     holds only its own pieces after the steps; in the hard cases no parameter stays gathered between a forward and its
     backward (stock's fetch knobs keep all 30 on this model); the frozen tensor stays, the unused one moves
-    (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran."""
+    (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran; zero_grad() between micro-steps
+    changed the steps."""
     load = stage3_runs(2)
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
@@ -199,6 +200,9 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
         root = load(f"fp32:{mode}:root", 0)
         assert not torch.equal(root["params"]["root_shift"], root["initial"]["root_shift"]), mode
         assert len(load(f"fp32:{mode}:evalnograd", 0)["eval_losses"]) == 3, mode
+        # zero_grad() between the micro-steps: the first step's gradient is its last micro-step's alone
+        cleared = load(f"fp32:{mode}:zerograd", 0)["losses"]
+        assert cleared[:2] == zero["losses"][:2] and cleared[2] != zero["losses"][2], mode
 
 
 def test_stock_zero3_trains_as_stock_zero2(stage3_runs):

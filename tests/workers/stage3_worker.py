@@ -38,8 +38,9 @@ VOCAB, WIDTH = 1024, 160
 # persist0: threshold 0; twice: the last block called twice per forward; root: a trained parameter of the root
 # read in its forward; ckpt/dsckpt: every block under torch's checkpoint (use_reentrant=False) or DeepSpeed's;
 # evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step;
-# offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json
-FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam")
+# offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json;
+# zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume)
+FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
@@ -151,10 +152,13 @@ def _owned(params) -> object | None:
 
 
 def train(engine, flags: set[str], rank: int) -> dict:
-    """GAS micro-steps per step (``nosync``: the first under ``engine.no_sync()``, its refusal recorded)."""
+    """GAS micro-steps per step (``nosync``: the first under ``engine.no_sync()``, its refusal recorded;
+    ``zerograd``: the optimizer's ``zero_grad()`` before the backward of each step's last micro-step)."""
     losses, norms, eval_losses, refused, resident = [], [], [], None, 0
     for micro in range(STEPS * GAS):
         tokens = batch(rank, micro).to(engine.device)
+        if "zerograd" in flags and (micro + 1) % GAS == 0:
+            engine.optimizer.zero_grad()
         if "nosync" in flags and micro % GAS == 0 and refused is None:
             try:
                 with engine.no_sync():
