@@ -179,8 +179,9 @@ class OverlappedReducer:
         if id(param) in self.seen:
             raise TensorShardUsageError(
                 f"ds_tensorshard: the gradient of '{self.name_of(param)}' was delivered twice in one backward (a "
-                "parameter reused under reentrant activation checkpointing?); its bucket would be reduced with a "
-                "partial gradient. Use non-reentrant checkpointing (use_reentrant=False)"
+                "parameter reused under reentrant activation checkpointing, or a backward after one that raised "
+                "before its end?); its bucket would be reduced with a partial gradient. Use non-reentrant "
+                "checkpointing (use_reentrant=False), and do not go on training after a backward that raised"
             )
         self.seen.add(id(param))
         if self.observed is not None:
