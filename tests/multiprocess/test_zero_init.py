@@ -190,3 +190,31 @@ def test_empty_partition_cache_releases_every_parameter(runs):
         assert stock[rank]["held_after"] == sliced, rank
     assert sum(r["held_after"] for r in ours) == model
     assert max(r["held_after"] for r in ours) <= MEMORY_BOUND * model / N
+
+
+EMULATED_VARIANTS = (*DEFAULT, API)  # the CPU launch's order: construction owners balance over every model built
+
+
+@pytest.mark.cuda_emulated
+def test_on_emulated_cuda_construction_and_training_as_on_the_cpu(runs, tmp_path):
+    """``zero.Init`` with the block on emulated CUDA under NCCL's rules (tests/helpers/emulated_cuda.py): the model
+    built on the rank's device, each tensor kept by its construction owner there; what each rank holds, the values
+    gathered after construction and after ``GatheredParameters`` writes, the gradients read and scaled, the
+    training and ``empty_partition_cache`` are the CPU run's bit for bit (the same kernels on the same data)."""
+    from tests.helpers.emulated_accelerator import EMULATED
+
+    cases = [case("ts", v) for v in EMULATED_VARIANTS]
+    load = loader(tmp_path, run_ranks([WORKER, str(tmp_path), *cases], N, timeout=TIMEOUT_S, check=False, env=EMULATED))
+    for name in cases:
+        for rank in range(N):
+            ours, cpu = load(name, rank), runs(name, rank)
+            assert set(ours["built"]["homes"].values()) == {"cuda"}, (name, rank)
+            assert ours["built"]["pieces"] == cpu["built"]["pieces"], (name, rank)
+            assert ours["built"]["held_numel"] == cpu["built"]["held_numel"], (name, rank)
+            assert (ours["losses"], ours["norms"]) == (cpu["losses"], cpu["norms"]), (name, rank)
+            for key in ("initial", "modified", "params", "vectorized"):
+                assert ours.get(key, {}).keys() == cpu.get(key, {}).keys(), (name, key)
+                for k, value in cpu.get(key, {}).items():
+                    assert torch.equal(ours[key][k].cpu(), value.cpu()), (name, rank, key, k)
+            assert ours.get("emptied") == cpu.get("emptied"), (name, rank)
+            assert ours.get("fwd_module") == cpu.get("fwd_module"), (name, rank)

@@ -47,7 +47,7 @@ from torch import nn
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.errors import TensorShardConfigError
 from ds_tensorshard.transports.torch_comm import close_process_group
-from tests.helpers.emulated_accelerator import init_worker
+from tests.helpers.emulated_accelerator import init_worker, model_device
 from tests.workers.stage3_worker import Stage3GPT, batch, ds_config, gathered, holdings, train
 
 VARIANTS = ("modify", "module", "remote", "nested", "external", "bf16", "api", "mixed")
@@ -111,7 +111,8 @@ def build(flags: set[str], config: dict) -> nn.Module:
     torch.manual_seed(1234)
     external, register = bool(flags & {"external", "api"}), "api" not in flags
     if "module" in flags:
-        model = ZeroInitGPT(external, register)
+        with model_device():  # emulated CUDA: built on the device (a CPU parameter's data cannot move there)
+            model = ZeroInitGPT(external, register)
         deepspeed.zero.Init(module=model, config_dict_or_path=config)
         return model
     kwargs: dict = {"remote_device": "cpu", "pin_memory": True} if "remote" in flags else {}
