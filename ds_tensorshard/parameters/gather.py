@@ -78,12 +78,17 @@ class GatherInFlight:
         whole = []
         for param, pieces in zip(self.params, self.layout.pieces):
             shape = param.ds_shape
-            if len(pieces) == 1:
-                offset, numel = pieces[0]
+            if _contiguous(pieces):  # one block, or blocks back to back (one owner's span after another's): a view
+                offset, numel = pieces[0][0], sum(n for _, n in pieces)
                 whole.append(flat[offset : offset + numel].view(shape))
             else:
                 whole.append(torch.cat([flat[offset : offset + numel] for offset, numel in pieces]).view(shape))
         return whole
+
+
+def _contiguous(pieces: list[tuple[int, int]]) -> bool:
+    """Whether a parameter's blocks lie back to back in the buffer, in storage order."""
+    return all(offset + numel == pieces[i + 1][0] for i, (offset, numel) in enumerate(pieces[:-1]))
 
 
 def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:

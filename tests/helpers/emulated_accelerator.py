@@ -278,6 +278,10 @@ def _data_factories_through_dispatch() -> None:
 
         factory._emulated = True  # type: ignore[attr-defined]
         setattr(torch, name, factory)
+    # deepspeed.zero.Init wraps torch.tensor around the one it saw at import, and puts that one back on exit
+    from deepspeed.runtime.zero import partition_parameters
+
+    partition_parameters._orig_torch_tensor = torch.tensor
 
 
 def _threads_on_the_device() -> None:

@@ -20,11 +20,13 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.ranks import run_ranks
 from tests.multiprocess.test_stage3 import MEMORY_BOUND, TIMEOUT_S, assert_same_training, loader
+from tests.workers.zero_init_worker import SCALED
 
 WORKER = os.path.join(WORKERS, "zero_init_worker.py")
 N = 2
 DEFAULT = ("", "modify", "module")  # built inside zero.Init; then written with modifier_rank=0; zero.Init(module=)
 EXTENDED = ("remote", "nested", "external", "bf16")  # remote_device="cpu"; a zero.Init in another; register_external
+API = "api"  # GatheredParameters(fwd_module=), safe_update_full_grad_vectorized, engine.empty_partition_cache()
 
 
 def case(mode: str, variant: str) -> str:
@@ -39,7 +41,7 @@ def launch(out, variants, extra=()):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch(tmp_path_factory.mktemp("zero_init"), DEFAULT, ["ts:mixed"])
+    return launch(tmp_path_factory.mktemp("zero_init"), (*DEFAULT, API), ["ts:mixed"])
 
 
 def assert_construction_kept_by_owners(load, variant: str) -> None:
@@ -137,3 +139,82 @@ def test_every_variant_as_stock(tmp_path):
         assert load("ts:bf16", rank)["built_dtypes"] == ["torch.bfloat16"]
         assert set(load("ts:remote", rank)["built"]["homes"].values()) == {"cpu"}
         assert "reader.scale" in load("ts:external", rank)["params"]
+
+
+def test_gathered_parameters_with_fwd_module_registers_the_external_parameter(runs):
+    """``GatheredParameters([wte.weight], modifier_rank=0, fwd_module=reader)`` right after construction, the
+    reader (which reads the embedding's weight in its forward) registered by nothing else: the weight becomes the
+    reader's external parameter as under stock, rank 0's write reaches every rank, and the training (each forward
+    gathering the weight for the reader: without the registration it reads an empty tensor and fails) is stock's
+    bit for bit."""
+    first = runs("stock:api", 0)["fwd_module"]
+    assert len(first) == 1, first
+    for rank in range(N):
+        ours, stock = runs("ts:api", rank), runs("stock:api", rank)
+        assert ours["fwd_module"] == stock["fwd_module"] == first, rank
+        assert torch.equal(ours["modified"]["wte.weight"], 0.5 * ours["initial"]["wte.weight"]), rank
+        assert torch.equal(ours["modified"]["wte.weight"], stock["modified"]["wte.weight"]), rank
+        assert "reader.scale" in ours["params"], rank
+    assert_trains_as_stock(runs, API)
+
+
+def test_safe_update_full_grad_vectorized_as_stock(runs):
+    """``safe_update_full_grad_vectorized`` at stage 3 (``update_fp32_grad_for_param_vectorized``), between each
+    boundary's backward and step, on three gradients (the embedding owned in blocks among them): each full gradient
+    read back is its factor times the one before, both stock's bit for bit, and the training after is stock's and
+    not the same run's without the update."""
+    for rank in range(N):
+        ours, stock = runs("ts:api", rank)["vectorized"], runs("stock:api", rank)["vectorized"]
+        assert ours.keys() == stock.keys() and len(ours) == 6, sorted(ours)
+        for key, value in stock.items():
+            assert torch.equal(ours[key], value), f"rank {rank} {key}"
+        for name, factor in SCALED.items():
+            assert torch.equal(ours[f"after {name}"], factor * ours[f"before {name}"]), f"rank {rank} {name}"
+            assert ours[f"before {name}"].abs().sum() > 0, f"rank {rank} {name}"
+    assert_trains_as_stock(runs, API)
+    unscaled, scaled = runs("ts", 0)["losses"], runs("ts:api", 0)["losses"]
+    assert unscaled[:2] != scaled[:2] and unscaled[-1] != scaled[-1]  # the write moved step 1 on; the scaling, the rest
+
+
+def test_empty_partition_cache_releases_every_parameter(runs):
+    """``engine.empty_partition_cache()`` after an ``eval()`` + ``no_grad()`` forward (which leaves parameters
+    gathered): none is gathered afterwards, as under stock, and each rank holds only what it owns (stock: its
+    slices), each element once over the ranks."""
+    model = runs("stock:api", 0)["built"]["model_numel"]
+    sliced = sum(math.ceil(math.prod(s) / N) for s in runs("stock:api", 0)["built"]["shapes"].values())
+    ours = [runs("ts:api", rank)["emptied"] for rank in range(N)]
+    stock = [runs("stock:api", rank)["emptied"] for rank in range(N)]
+    for rank in range(N):
+        assert ours[rank]["available_before"] == stock[rank]["available_before"] > 0, rank
+        assert ours[rank]["available_after"] == stock[rank]["available_after"] == 0, rank
+        assert stock[rank]["held_after"] == sliced, rank
+    assert sum(r["held_after"] for r in ours) == model
+    assert max(r["held_after"] for r in ours) <= MEMORY_BOUND * model / N
+
+
+EMULATED_VARIANTS = (*DEFAULT, API)  # the CPU launch's order: construction owners balance over every model built
+
+
+@pytest.mark.cuda_emulated
+def test_on_emulated_cuda_construction_and_training_as_on_the_cpu(runs, tmp_path):
+    """``zero.Init`` with the block on emulated CUDA under NCCL's rules (tests/helpers/emulated_cuda.py): the model
+    built on the rank's device, each tensor kept by its construction owner there; what each rank holds, the values
+    gathered after construction and after ``GatheredParameters`` writes, the gradients read and scaled, the
+    training and ``empty_partition_cache`` are the CPU run's bit for bit (the same kernels on the same data)."""
+    from tests.helpers.emulated_accelerator import EMULATED
+
+    cases = [case("ts", v) for v in EMULATED_VARIANTS]
+    load = loader(tmp_path, run_ranks([WORKER, str(tmp_path), *cases], N, timeout=TIMEOUT_S, check=False, env=EMULATED))
+    for name in cases:
+        for rank in range(N):
+            ours, cpu = load(name, rank), runs(name, rank)
+            assert set(ours["built"]["homes"].values()) == {"cuda"}, (name, rank)
+            assert ours["built"]["pieces"] == cpu["built"]["pieces"], (name, rank)
+            assert ours["built"]["held_numel"] == cpu["built"]["held_numel"], (name, rank)
+            assert (ours["losses"], ours["norms"]) == (cpu["losses"], cpu["norms"]), (name, rank)
+            for key in ("initial", "modified", "params", "vectorized"):
+                assert ours.get(key, {}).keys() == cpu.get(key, {}).keys(), (name, key)
+                for k, value in cpu.get(key, {}).items():
+                    assert torch.equal(ours[key][k].cpu(), value.cpu()), (name, rank, key, k)
+            assert ours.get("emptied") == cpu.get("emptied"), (name, rank)
+            assert ours.get("fwd_module") == cpu.get("fwd_module"), (name, rank)
