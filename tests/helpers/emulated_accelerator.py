@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib
 import os
 import threading
 import warnings
@@ -280,6 +281,10 @@ def _data_factories_through_dispatch() -> None:
         setattr(torch, name, factory)
     # deepspeed.zero.Init wraps torch.tensor around the one it saw at import, and puts that one back on exit
     from deepspeed.runtime.zero import partition_parameters
+
+    # torch's compiler, imported first inside zero.Init (as the emulation's factories reach it there), refuses
+    # the tensor constructor zero.Init has put in place; a forked rank has it already (tests/helpers/forkserver.py)
+    importlib.import_module("torch._dynamo")
 
     partition_parameters._orig_torch_tensor = torch.tensor
 
