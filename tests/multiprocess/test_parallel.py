@@ -36,18 +36,23 @@ FP32_CASES = [c for c in CASES if c.startswith("fp32:")]
 TP_WIDE = [c for c in CASES if c.startswith("bf16:ts:")] + ["fp32:tsmpi:2", "fp32:tsmpi:1"]  # -m extended: CI time
 
 
-def tp_runs(out, cases: list[str], mpi_cases: list[str]):
-    """tp_worker.py's ``cases`` at 2 tensor x 2 data-parallel ranks, ``mpi_cases`` under mpiexec."""
-    run_ranks([WORKER, str(out), "2", *cases], 4)
+def model_parallel_runs(worker: str, out, cases: list[str], mpi_cases: list[str]):
+    """``worker``'s ``cases`` at 2 model-parallel x 2 data-parallel ranks, ``mpi_cases`` under mpiexec."""
+    run_ranks([worker, str(out), "2", *cases], 4)
     if mpi_cases:
         port = free_port()
         proc = run_in_group(
-            [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", WORKER, str(out), "2", *mpi_cases],
+            [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", worker, str(out), "2", *mpi_cases],
             env={**launcher_env(), "MASTER_PORT": str(port)},
             timeout=TIMEOUT_S,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+
+
+def tp_runs(out, cases: list[str], mpi_cases: list[str]):
+    """tp_worker.py's runs at 2 tensor x 2 data-parallel ranks."""
+    return model_parallel_runs(WORKER, out, cases, mpi_cases)
 
 
 @pytest.fixture(scope="module")
@@ -283,18 +288,8 @@ def test_pipeline_at_three_data_parallel_ranks(tmp_path):
 
 
 def sp_runs(out, cases: list[str], mpi_cases: list[str]):
-    """sp_worker.py's ``cases`` at 2 sequence x 2 data-parallel ranks, ``mpi_cases`` under mpiexec."""
-    run_ranks([os.path.join(WORKERS, "sp_worker.py"), str(out), "2", *cases], 4)
-    if mpi_cases:
-        port = free_port()
-        worker = os.path.join(WORKERS, "sp_worker.py")
-        proc = run_in_group(
-            [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", worker, str(out), "2", *mpi_cases],
-            env={**launcher_env(), "MASTER_PORT": str(port)},
-            timeout=TIMEOUT_S,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return lambda case, rank: torch.load(out / f"{case.replace(':', '_')}.rank{rank}.pt")
+    """sp_worker.py's runs at 2 sequence x 2 data-parallel ranks."""
+    return model_parallel_runs(os.path.join(WORKERS, "sp_worker.py"), out, cases, mpi_cases)
 
 
 @pytest.fixture(scope="module")
