@@ -134,9 +134,19 @@ class Cost:
     seconds: float
     latency_s: float
 
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.launches + other.launches, self.seconds + other.seconds, self.latency_s + other.latency_s)
 
-def _cost(times: Sequence[Time]) -> Cost:
+
+def cost_of(times: Sequence[Time]) -> Cost:
+    """The cost of launching each of ``times``' collectives once."""
     return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
+
+
+def padded_bytes(numels: Sequence[int], params: Iterable[int], n: int, element_bytes: int) -> int:
+    """The bytes of stock ZeRO-3's flat buffer of ``params`` (indices into ``numels``), each tensor padded to
+    ``n`` elements."""
+    return sum(-(-numels[p] // n) * n for p in params) * element_bytes
 
 
 def _norm(n: int, net: Network) -> Time:
@@ -147,13 +157,13 @@ def _norm(n: int, net: Network) -> Time:
 def per_owner_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
     """Per bucket one reduce to each owner present, then one broadcast from each."""
     per_owner = [rooted(s.numel * element_bytes, n, net) for b in buckets for s in b.segments]
-    return _cost([*per_owner, *per_owner, _norm(n, net)])
+    return cost_of([*per_owner, *per_owner, _norm(n, net)])
 
 
 def tensorshard_grouped_cost(buckets: Sequence[Bucket], n: int, net: Network, element_bytes: int) -> Cost:
     """One launch per bucket and direction: the bucket's rooted operations grouped, one chain's latency."""
     per_bucket = [rooted(b.numel * element_bytes, n, net) for b in buckets]
-    return _cost([*per_bucket, *per_bucket, _norm(n, net)])
+    return cost_of([*per_bucket, *per_bucket, _norm(n, net)])
 
 
 def tensorshard_stripes_cost(
@@ -272,10 +282,8 @@ def stock_zero3_reduction(numels: Sequence[int], n: int, bucket_numel: int, net:
     (``reduce_bucket_size``; each tensor padded to ``n``) and the norm."""
     if n == 1:
         return Cost(0, 0.0, 0.0)
-    size = lambda bucket: sum(-(-numels[p] // n) * n for p in bucket) * element_bytes  # noqa: E731
-    times = [all_gather(size(bucket), n, net) for bucket in stock_buckets(list(numels), bucket_numel)]
-    times.append(_norm(n, net))
-    return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
+    buckets = stock_buckets(list(numels), bucket_numel)
+    return cost_of([*(all_gather(padded_bytes(numels, b, n, element_bytes), n, net) for b in buckets), _norm(n, net)])
 
 
 def stock_zero2_cost(
@@ -311,7 +319,7 @@ def stock_zero2_cost(
                     times.append(rooted(chunk * element_bytes, n, net))
     if n > 1:
         times.append(all_gather(padded * element_bytes, n, net))
-    return _cost([*times, _norm(n, net)])
+    return cost_of([*times, _norm(n, net)])
 
 
 def cost_report(

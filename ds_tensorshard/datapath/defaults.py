@@ -270,12 +270,12 @@ def default_stripes(
         priced.append((bucket, max(ratios(bucket, routes)), routes))
     within = [choice for choice in priced if choice[1] <= TARGET]
     bucket, _, routes = min(within or priced, key=lambda choice: choice[:2])  # the most buckets, then fastest
-    stock = "stock ZeRO-3's reduction" if stage3 else "stock ZeRO-2's communication"
+    against = "stock ZeRO-3's reduction" if stage3 else "stock ZeRO-2's communication"
     rule = (
-        f"the most buckets predicted within {TARGET}x {stock} at its defaults"
+        f"the most buckets predicted within {TARGET}x {against} at its defaults"
         if within
         else f"the fewest buckets (the fastest) with flat buffers within stock's {STOCK_REDUCE_BUCKET:,}-element "
-        f"bucket; none there is predicted within {TARGET}x {stock} at its defaults"
+        f"bucket; none there is predicted within {TARGET}x {against} at its defaults"
     )
     each = "; ".join(
         f"{describe(net)}: {ratio:.2f}x of {stock * 1e3:,.1f} ms"

@@ -35,6 +35,8 @@ from ds_tensorshard.datapath.cost_model import (
     Time,
     all_gather,
     all_reduce,
+    cost_of,
+    padded_bytes,
     rooted,
     stock_zero3_reduction,
 )
@@ -134,10 +136,6 @@ def fetch_batches(
     return batches
 
 
-def _padded(numel: int, n: int) -> int:
-    return -(-numel // n) * n
-
-
 def stock_zero3_cost(
     numels: Sequence[int],
     batches: Sequence[Sequence[int]],
@@ -151,16 +149,12 @@ def stock_zero3_cost(
     all-gather per persistent parameter after the step."""
     if n == 1:
         return Cost(0, 0.0, 0.0)
-    size = lambda params: sum(_padded(numels[p], n) for p in params) * element_bytes  # noqa: E731
-    gathers = [all_gather(size(batch), n, net) for batch in batches]
-    persistent = [all_gather(size([p]), n, net) for p in persistent_of(numels, bounds.persistence)]
-    gathered, reduced = (
-        _cost([*gathers, *persistent]),
-        stock_zero3_reduction(numels, n, reduce_bucket, net, element_bytes),
-    )
-    return Cost(
-        gathered.launches + reduced.launches, gathered.seconds + reduced.seconds, gathered.latency_s + reduced.latency_s
-    )
+    gathers = [all_gather(padded_bytes(numels, batch, n, element_bytes), n, net) for batch in batches]
+    persistent = [
+        all_gather(padded_bytes(numels, [p], n, element_bytes), n, net)
+        for p in persistent_of(numels, bounds.persistence)
+    ]
+    return cost_of([*gathers, *persistent]) + stock_zero3_reduction(numels, n, reduce_bucket, net, element_bytes)
 
 
 def sum_gather_faster(spans: Sequence[int], n: int, net: Network = DEFAULT_NETWORK) -> bool:
@@ -211,10 +205,6 @@ def batch_spans(
     return result
 
 
-def _cost(times: Sequence[Time]) -> Cost:
-    return Cost(len(times), sum(map(sum, times)), sum(latency for latency, _ in times))
-
-
 def tensorshard_zero3_cost(
     blocks: Sequence[Sequence[Block]],
     numels: Sequence[int],
@@ -230,7 +220,4 @@ def tensorshard_zero3_cost(
     ``reduction`` (the gradients' reduction and the norm, as at stage 2 without its gather)."""
     persistent = persistent_of(numels, bounds.persistence)
     times = tensorshard_gathers(blocks, [*batches, *([persistent] if persistent else [])], n, net, element_bytes, route)
-    gathered, reduced = _cost(times), reduction()
-    return Cost(
-        gathered.launches + reduced.launches, gathered.seconds + reduced.seconds, gathered.latency_s + reduced.latency_s
-    )
+    return cost_of(times) + reduction()
