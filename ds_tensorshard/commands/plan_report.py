@@ -30,7 +30,7 @@ from ds_tensorshard.datapath.cost_model import (
     stripes_padding,
     tensorshard_stripes_cost,
 )
-from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, Wire, choose_layout, measured_on_cpu
+from ds_tensorshard.datapath.defaults import ACCELERATOR, DEFAULT_BUCKET_NUMEL, choose_layout, measured_on_cpu
 from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
@@ -174,8 +174,7 @@ def default_report(
     flat_plan = plan_flat(shapes, n) if flat and n > 1 else None
     owned = list((flat_plan or plan).numel_per_rank)
     flat_numel = flat_plan.flat_slot * n if flat_plan else 0
-    accelerator = Wire("torch", "an accelerator", on_cpu=False)
-    choice = choose_layout(TensorShardConfig(), {}, accelerator, numels, owned, element_bytes, flat_numel)
+    choice = choose_layout(TensorShardConfig(), {}, ACCELERATOR, numels, owned, element_bytes, flat_numel)
     stock = stock_zero2_cost(numels, n, STOCK_REDUCE_BUCKET, network, element_bytes)
     routes = choice.routes(n)  # windows: none
     under = (routes.reduce_below, routes.gather_below)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ds_tensorshard.config.schema import TensorShardConfig
 from ds_tensorshard.datapath.cost_model import DEFAULT_NETWORK, Cost, Network, tensorshard_stripes_cost
-from ds_tensorshard.datapath.defaults import Wire, choose_layout
+from ds_tensorshard.datapath.defaults import ACCELERATOR, choose_layout
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.datapath.stage3_cost import (
     STOCK_PERSISTENCE,
@@ -69,8 +69,8 @@ def _reduction(numels: Sequence[int], owned: Sequence[int], net: Network, elemen
     n = len(owned)
     if n == 1:
         return Cost(0, 0.0, 0.0)
-    wire = Wire("torch", "an accelerator", on_cpu=False)
-    choice = choose_layout(TensorShardConfig(), {"zero_optimization": {"stage": 3}}, wire, numels, owned, element_bytes)
+    stage3 = {"zero_optimization": {"stage": 3}}
+    choice = choose_layout(TensorShardConfig(), stage3, ACCELERATOR, numels, owned, element_bytes)
     routes = choice.routes(n)
     under = (routes.reduce_below, routes.gather_below)
     return tensorshard_stripes_cost(max(owned), n, choice.bucket_numel, net, element_bytes, under, gather=False)

@@ -38,8 +38,9 @@ class Broadcast:
     ) -> None:
         self.todo, self.comm, self.describe, self.update = deque(enumerate(buckets)), comm, describe, update
         if comm.world_size == 1:  # the one rank owns every tensor, updated in place: nothing to send (but updates)
-            while self.todo and update is not None:
-                update(*self.todo.popleft())
+            for index, bucket in self.todo:
+                if update is not None:
+                    update(index, bucket)
             self.todo.clear()
         self.in_flight: deque[tuple[int, Bucket, torch.Tensor, Pending]] = deque()
         self._fill()

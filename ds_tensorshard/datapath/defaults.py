@@ -150,6 +150,10 @@ class Wire:
     on_cpu: bool
 
 
+# where ``ds-tensorshard plan`` prices the default a run on an accelerator would take
+ACCELERATOR = Wire("torch", "an accelerator", on_cpu=False)
+
+
 def requested_bucket_numel(config: TensorShardConfig, param_dict: Mapping[str, Any]) -> tuple[int | None, str]:
     """The bucket size the config sets and the key that sets it: ``tensorshard.bucket_numel``, else a
     ``zero_optimization.reduce_bucket_size`` that is a positive number; (None, "") where neither does."""

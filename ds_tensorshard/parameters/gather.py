@@ -88,7 +88,7 @@ class GatherInFlight:
 
 def _contiguous(pieces: list[tuple[int, int]]) -> bool:
     """Whether a parameter's blocks lie back to back in the buffer, in storage order."""
-    return all(offset + numel == pieces[i + 1][0] for i, (offset, numel) in enumerate(pieces[:-1]))
+    return all(offset + numel == after for (offset, numel), (after, _) in zip(pieces, pieces[1:]))
 
 
 def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:

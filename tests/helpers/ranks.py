@@ -33,7 +33,7 @@ _LAUNCH_PORTS: set[int] = set()  # the ports free_port handed out since remove_l
 # again could be taken by such a connection before the launch binds it (the rank then fails, its peers wait).
 # Each pytest-xdist worker hands out its own block, in turn, from a random start within it.
 _PORTS_FROM, _PORT_BLOCK = 10000, 2500
-_NEXT_PORT: list[int] = []
+_NEXT_PORT = [random.randrange(_PORT_BLOCK)]  # the next port's place in the block
 
 
 def _port_in_use(port: int) -> bool:
@@ -50,8 +50,6 @@ def free_port() -> int:
     now; its /dev/shm segments go at :func:`remove_launch_segments`."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     start = _PORTS_FROM + _PORT_BLOCK * (int(worker[2:]) % 8 if worker[2:].isdigit() else 0)
-    if not _NEXT_PORT:
-        _NEXT_PORT.append(random.randrange(_PORT_BLOCK))
     for _ in range(_PORT_BLOCK):
         port = start + _NEXT_PORT[0] % _PORT_BLOCK
         _NEXT_PORT[0] += 1

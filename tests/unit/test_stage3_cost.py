@@ -18,7 +18,7 @@ from ds_tensorshard.datapath.cost_model import (
     parse_network,
     stock_zero3_reduction,
 )
-from ds_tensorshard.datapath.defaults import Wire, choose_layout
+from ds_tensorshard.datapath.defaults import ACCELERATOR, choose_layout
 from ds_tensorshard.datapath.plan import Block, plan_ownership
 from ds_tensorshard.datapath.stage3_cost import Stage3Bounds, fetch_batches, module_trace, sum_gather_faster
 from ds_tensorshard.parameters.gather import GatherLayout, start_gather
@@ -104,10 +104,9 @@ def test_stage3_stripes_are_sized_against_stock_zero3s_reduction(n, network):
     net = NETWORKS[network]
     ours = _reduction(numels, owned, net, 2).seconds
     assert ours <= 1.02 * stock_zero3_reduction(numels, n, STOCK_REDUCE_BUCKET, net, 2).seconds
-    wire = Wire("torch", "an accelerator", on_cpu=False)
-    choice = choose_layout(TensorShardConfig(), {"zero_optimization": {"stage": 3}}, wire, numels, owned, 2)
+    choice = choose_layout(TensorShardConfig(), {"zero_optimization": {"stage": 3}}, ACCELERATOR, numels, owned, 2)
     assert "stock ZeRO-3's reduction" in choice.why
-    assert "stock ZeRO-2" in choose_layout(TensorShardConfig(), {}, wire, numels, owned, 2).why
+    assert "stock ZeRO-2" in choose_layout(TensorShardConfig(), {}, ACCELERATOR, numels, owned, 2).why
 
 
 @pytest.mark.parametrize(("n", "network"), [(8, "default"), (8, "5,25"), (64, "5,25"), (256, "5,25")])
