@@ -45,7 +45,7 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
     trained = [p for group in trainable_groups(optimizer) for p in group]
     owned = _owner_of_built(engine)
     if owned is None:
-        comm = open_transport(config.comm_backend, engine.seq_data_parallel_group, config.timeout_s, engine.device)
+        comm = open_transport(config, engine.seq_data_parallel_group, engine.device)
         offload = engine.zero_offload_param()  # device cpu: the owners keep their tensors in host memory
         on_host = offload is not None and getattr(offload.device, "value", offload.device) == "cpu"
         home = torch.device("cpu") if on_host else engine.device

@@ -1,7 +1,8 @@
 """The bytes a rank sends through collectives, counted by wrapping torch.distributed's collectives and the mpi
-transport's (ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of the full buffer;
-a reduce is sent once by every rank but its root, a broadcast once by every rank but the one before its root, the
-last of the ring)."""
+transport's, and the bytes a rank writes into shared memory for the others (ranks on one host,
+:mod:`~ds_tensorshard.transports.host_shared`). Ring-algorithm model: all-reduce 2(n-1)/n, reduce-scatter and
+all-gather (n-1)/n of the full buffer; a reduce is sent once by every rank but its root, a broadcast once by every
+rank but the one before its root, the last of the ring."""
 
 from __future__ import annotations
 
@@ -94,3 +95,17 @@ def count_mpi_collectives() -> None:
             return _original(self, flat, slot)
 
         setattr(mpi_comm.MpiComm, name, counted_stripe)
+
+
+def count_shared_memory() -> None:
+    """Wrap the shared-memory lane's exchange to add up the bytes a rank writes for the others to read."""
+    from ds_tensorshard.transports import host_shared
+
+    original = host_shared.HostSharedComm._exchange
+
+    @functools.wraps(original)
+    def counted(self, flat, write, read, _original=original):
+        SENT["shared_memory"] += sum(numel for _owner, _offset, numel in write) * flat.element_size()
+        return _original(self, flat, write, read)
+
+    host_shared.HostSharedComm._exchange = counted  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ from ds_tensorshard.bench.setups import (
     count_step,
     trainable,
 )
-from ds_tensorshard.bench.traffic import SENT, count_mpi_collectives, count_torch_collectives
+from ds_tensorshard.bench.traffic import SENT, count_mpi_collectives, count_shared_memory, count_torch_collectives
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -51,6 +51,7 @@ def start(port: int) -> torch.device:
     from deepspeed.accelerator import get_accelerator
 
     count_mpi_collectives()
+    count_shared_memory()
     on_gpu = get_accelerator().device_name() == "cuda"  # DS_ACCELERATOR=cuda: one GPU per rank, NCCL
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", distributed_port=port)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")

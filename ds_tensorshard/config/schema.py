@@ -29,6 +29,12 @@ class TensorShardConfig(BaseModel):
     ``"mpi"`` = mpi4py. A window moves with one reduce-scatter of the owners' parts and one broadcast from each
     owner on mpi, one reduce to and one broadcast from each owner on torch: nothing is padded."""
 
+    shared_memory: bool = True
+    """Where every rank of a group is on one host and the ranks are CPU ranks, the data path's collectives go
+    through shared memory (/dev/shm): each rank writes its
+    part, meets the others at a barrier of ``comm_backend`` and reads theirs. ``false``: through ``comm_backend``
+    alone. Accelerators and ranks on several hosts always take ``comm_backend``."""
+
     split_tensors: Literal["auto", "never"] = "auto"
     """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest
     rank above 1.02x the ideal) is owned in dim-0 blocks, each by one rank, only as many as needed;

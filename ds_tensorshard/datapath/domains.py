@@ -109,9 +109,7 @@ def open_domains(
         )
     domains = {}
     for name in [DENSE, *sorted(set(group_domains) - {DENSE})]:
-        comm = open_transport(
-            config.comm_backend, process_group_of(name, data_parallel_group), config.timeout_s, device
-        )
+        comm = open_transport(config, process_group_of(name, data_parallel_group), device)
         in_domain = {p for group, d in zip(optimizer.param_groups, group_domains) if d == name for p in group["params"]}
         members = [p for p in params if p in in_domain]
         if flat:

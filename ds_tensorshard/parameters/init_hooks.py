@@ -35,7 +35,7 @@ from ds_tensorshard.transports import open_transport
 _MARK = "_ds_tensorshard_original"
 _OWNING: list[OwnedParameters] = []  # the innermost owning() context's protocol
 # users' zero.Init protocols, by transport, group, host-kept and pinned
-_CONSTRUCTING: dict[tuple[str, int, bool, bool], OwnedParameters] = {}
+_CONSTRUCTING: dict[tuple[str, bool, int, bool, bool], OwnedParameters] = {}
 
 
 @contextlib.contextmanager
@@ -82,10 +82,10 @@ def constructing(arguments: dict[str, Any]) -> OwnedParameters | None:
     offload = (param_dict.get("zero_optimization") or {}).get("offload_param") or {}
     remote = str(arguments.get("remote_device") or offload.get("device") or "none")  # as stock's Init reads it
     pinned = bool(arguments.get("pin_memory") or offload.get("pin_memory"))
-    key = (config.comm_backend, id(group), remote == "cpu", pinned)
+    key = (config.comm_backend, config.shared_memory, id(group), remote == "cpu", pinned)
     if key not in _CONSTRUCTING:
         device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
-        comm = open_transport(config.comm_backend, group, config.timeout_s, device)
+        comm = open_transport(config, group, device)
         home = torch.device("cpu") if remote == "cpu" else device
         _CONSTRUCTING[key] = OwnedParameters(comm, home, ConstructionOwners(comm.world_size), pinned)
     return _CONSTRUCTING[key]

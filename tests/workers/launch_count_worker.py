@@ -73,6 +73,7 @@ config = {
         "comm_backend": args.comm_backend,
         "bucket_numel": 96,
         "bucket_layout": args.bucket_layout,
+        "shared_memory": False,  # the transports' own collectives counted, not the shared-memory lane's
     },
 }
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

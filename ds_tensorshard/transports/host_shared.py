@@ -1,0 +1,191 @@
+"""Ranks on one host, tensors on the CPU: the data path's collectives through shared memory
+(``tensorshard.shared_memory``, on by default).
+
+Each rank maps one /dev/shm segment per rank of the group (its box). A collective writes this rank's part into its
+own box, meets every rank at a barrier (the inner transport's one-element all-reduce, with its deadline), then reads
+the others' parts from their boxes: one copy in and one out, where gloo moves every byte through the kernel's loopback
+twice (and reduce-scatters by all-reducing). Each collective completes before it returns. A box has two halves used
+in turn, so one barrier per collective suffices: a rank writes a half again only after every rank has passed a later
+barrier, that is, has finished reading it. Sums run in rank order, so an all-reduce gives every rank the same bits.
+
+:func:`on_one_host` decides, the same way on every rank, whether the lane is taken: every rank of the group on this
+host (the same boot, network namespace and /dev/shm) with room in /dev/shm; otherwise the inner transport alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import random
+import socket
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+import torch
+
+from ds_tensorshard.transports.protocol import Pending, Span, Transport
+
+SHM_DIR = "/dev/shm"
+ALIGN = 4096  # bytes: a half's start (any dtype's alignment)
+FIRST_CAPACITY = 1 << 24  # bytes per half at the first collective; a larger one grows every box alike
+
+
+def _host_key() -> str:
+    """What ranks that can share /dev/shm have in common: the boot, the network namespace and /dev/shm's device."""
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+        boot = f.read().strip()
+    return f"{socket.gethostname()}|{boot}|{os.stat('/proc/self/ns/net').st_ino}|{os.stat(SHM_DIR).st_dev}"
+
+
+def _agreed(comm: Transport, value: float) -> float:
+    """``value`` summed over the group's ranks (float64, exact for integers below 2**53 / n)."""
+    total = torch.tensor([value], dtype=torch.float64, device=comm.device)
+    comm.all_reduce_sum(total)
+    return float(total.item())
+
+
+def on_one_host(comm: Transport) -> bool:
+    """Whether every rank of ``comm``'s group is on this host with a usable /dev/shm (every rank gets the same
+    answer)."""
+    if comm.device.type != "cpu" or comm.world_size < 2:
+        return False
+    try:
+        key = _host_key()
+        usable = os.access(SHM_DIR, os.W_OK)
+    except OSError:
+        key, usable = f"unknown-{os.getpid()}-{random.random()}", False
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:3], "big") >> 3  # squares x 2**11 ranks < 2**53
+    same = _agreed(comm, digest) == digest * comm.world_size and _agreed(comm, digest**2) == digest**2 * comm.world_size
+    return _agreed(comm, float(same and usable)) == comm.world_size
+
+
+class Boxes:
+    """This rank's box and its peers', each of two halves of ``capacity`` bytes, in /dev/shm."""
+
+    def __init__(self, comm: Transport, barrier: Callable[[], None]) -> None:
+        self.comm, self.barrier = comm, barrier
+        token = random.getrandbits(30) if comm.rank == 0 else 0
+        self.prefix = f"{SHM_DIR}/ds_tensorshard_{int(_agreed(comm, token))}"
+        self.capacity, self.generation = 0, 0
+        self.maps: list[mmap.mmap] = []
+        self.views: list[torch.Tensor] = []
+
+    def ensure(self, nbytes: int) -> None:
+        """Every box's halves at least ``nbytes`` (called with the same size on every rank: a collective's)."""
+        if nbytes <= self.capacity:
+            return
+        capacity = max(FIRST_CAPACITY, -(-nbytes // ALIGN) * ALIGN)
+        self.generation += 1
+        name = f"{self.prefix}_{self.generation}_{{}}"
+        fd = os.open(name.format(self.comm.rank), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, 2 * capacity)
+        finally:
+            os.close(fd)
+        self.barrier()  # every box of this generation exists
+        maps = []
+        for rank in range(self.comm.world_size):
+            fd = os.open(name.format(rank), os.O_RDWR)
+            try:
+                maps.append(mmap.mmap(fd, 2 * capacity))
+            finally:
+                os.close(fd)
+        self.barrier()  # every rank has mapped every box: the names can go
+        os.unlink(name.format(self.comm.rank))
+        self.views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        self.maps, self.capacity = maps, capacity
+
+    def half(self, rank: int, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Rank ``rank``'s half for collective ``index``, as ``numel`` elements of ``dtype``."""
+        start = (index % 2) * self.capacity
+        return self.views[rank][start : start + numel * dtype.itemsize].view(dtype)
+
+
+class HostSharedComm:
+    """:class:`~ds_tensorshard.transports.protocol.Transport` over ``inner``'s group through shared memory; the
+    norm's all-reduce, the barrier and :meth:`fail` stay ``inner``'s."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.rank, self.world_size, self.global_ranks = inner.rank, inner.world_size, inner.global_ranks
+        self.timeout_s, self.device = inner.timeout_s, inner.device
+        self.name = f"{inner.name} + shared memory"
+        self._tick = torch.zeros(1, device=inner.device)
+        self._index = 0
+        self.boxes = Boxes(inner, self._barrier)
+
+    def _barrier(self) -> None:
+        self.inner.all_reduce_sum(self._tick, lambda: "the shared-memory lane's barrier")
+
+    def _exchange(
+        self, flat: torch.Tensor, write: Sequence[Span], read: Callable[[list[torch.Tensor]], None]
+    ) -> Pending:
+        """Write ``write``'s spans of ``flat`` into this rank's half, meet at the barrier, then ``read`` from
+        every rank's half (laid out as ``flat``)."""
+        flat = flat.view(-1)
+        self.boxes.ensure(flat.numel() * flat.dtype.itemsize)
+        index, self._index = self._index, self._index + 1
+        halves = [self.boxes.half(rank, index, flat.dtype, flat.numel()) for rank in range(self.world_size)]
+        mine = halves[self.rank]
+        for _, offset, numel in write:
+            mine[offset : offset + numel].copy_(flat[offset : offset + numel])
+        self._barrier()
+        read(halves)
+        return Pending(lambda: None)
+
+    def _sum_into(self, flat: torch.Tensor, halves: list[torch.Tensor], offset: int, numel: int) -> None:
+        """``flat[offset:offset+numel]`` summed with every other rank's, in rank order after this rank's."""
+        out = flat.view(-1)[offset : offset + numel]
+        for rank in range(self.world_size):
+            if rank != self.rank:
+                out.add_(halves[rank][offset : offset + numel])
+
+    def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
+        return self.start_reduce_segments(tensor, [(owner, 0, tensor.numel())])
+
+    def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
+        return self.start_broadcast_segments(tensor, [(owner, 0, tensor.numel())])
+
+    def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        others = [span for span in spans if span[0] != self.rank]
+
+        def read(halves: list[torch.Tensor]) -> None:
+            for owner, offset, numel in spans:
+                if owner == self.rank:
+                    self._sum_into(flat, halves, offset, numel)
+
+        return self._exchange(flat, others, read)
+
+    def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        def read(halves: list[torch.Tensor]) -> None:
+            out = flat.view(-1)
+            for owner, offset, numel in spans:
+                if owner != self.rank:
+                    out[offset : offset + numel].copy_(halves[owner][offset : offset + numel])
+
+        return self._exchange(flat, [span for span in spans if span[0] == self.rank], read)
+
+    def _slots(self, slot: int) -> list[Span]:
+        return [(rank, rank * slot, slot) for rank in range(self.world_size)]
+
+    def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
+        return self.start_reduce_segments(flat, self._slots(slot))
+
+    def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
+        return self.start_broadcast_segments(flat, self._slots(slot))
+
+    def start_all_reduce(self, flat: torch.Tensor) -> Pending:
+        def read(halves: list[torch.Tensor]) -> None:
+            out = flat.view(-1)
+            out.copy_(halves[0])
+            for rank in range(1, self.world_size):
+                out.add_(halves[rank])
+
+        return self._exchange(flat, [(self.rank, 0, flat.numel())], read)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
+        self.inner.all_reduce_sum(tensor, where)
+
+    def fail(self, message: str) -> NoReturn:
+        self.inner.fail(message)

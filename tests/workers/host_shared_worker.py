@@ -1,0 +1,93 @@
+"""Each collective of the shared-memory lane on real ranks, against the result computed here in the lane's
+documented order (an owner's value, then the others' in rank order; an all-reduce in rank order), with a box
+grown past its first size and two collectives started before either is waited for; then which transport
+``open_transport`` gives. Prints ``OK`` on success."""
+
+import glob
+import hashlib
+
+import deepspeed
+import torch
+
+from ds_tensorshard.config.schema import TensorShardConfig
+from ds_tensorshard.transports import host_shared, open_transport
+from ds_tensorshard.transports.host_shared import FIRST_CAPACITY, HostSharedComm
+from ds_tensorshard.transports.torch_comm import TorchComm
+
+deepspeed.init_distributed(dist_backend="gloo")
+cpu = torch.device("cpu")
+comm = open_transport(TensorShardConfig(enabled=True, timeout_s=60.0), None, cpu)
+assert isinstance(comm, HostSharedComm), comm.name
+rank, n = comm.rank, comm.world_size
+
+
+def inputs(case: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank's input of this case (each rank makes all of them, to know the expected result)."""
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(100 * case + q)).to(dtype) for q in range(n)]
+
+
+def owner_sum(xs: list[torch.Tensor], owner: int) -> torch.Tensor:
+    total = xs[owner].clone()
+    for q in range(n):
+        if q != owner:
+            total += xs[q]
+    return total
+
+
+def spans_of(numel: int) -> list[tuple[int, int, int]]:
+    """(owner, offset, numel), back to back: rank 0 a fifth, the last rank the rest, any rank between none."""
+    return [(0, 0, numel // 5), (n - 1, numel // 5, numel - numel // 5)]
+
+
+def check(case: int, numel: int, dtype: torch.dtype) -> None:
+    xs = inputs(case, numel, dtype)
+    flat = xs[rank].clone()
+    comm.start_reduce_segments(flat, spans_of(numel)).wait()
+    for owner, offset, size in spans_of(numel):
+        if owner == rank:
+            assert torch.equal(flat[offset : offset + size], owner_sum(xs, owner)[offset : offset + size]), case
+    flat = xs[rank].clone()
+    comm.start_broadcast_segments(flat, spans_of(numel)).wait()
+    for owner, offset, size in spans_of(numel):
+        assert torch.equal(flat[offset : offset + size], xs[owner][offset : offset + size]), case
+    slot = numel // n
+    first, second = xs[rank][: slot * n].clone(), xs[rank][: slot * n].clone()
+    reduced, gathered = comm.start_reduce_scatter(first, slot), comm.start_all_gather(second, slot)
+    reduced.wait(), gathered.wait()
+    mine = slice(rank * slot, (rank + 1) * slot)
+    assert torch.equal(first[mine], owner_sum(xs, rank)[: slot * n][mine]), case
+    assert torch.equal(second, torch.cat([x[q * slot : (q + 1) * slot] for q, x in enumerate(xs)])), case
+    everyone = xs[rank].clone()
+    comm.start_all_reduce(everyone).wait()
+    expected = xs[0].clone()
+    for x in xs[1:]:
+        expected += x
+    assert torch.equal(everyone, expected), case
+    digest = hashlib.sha256(everyone.view(torch.uint8).numpy().tobytes()).digest()[:2]
+    agreed = torch.tensor([float(int.from_bytes(digest, "big"))], dtype=torch.float64)
+    comm.all_reduce_sum(agreed)
+    assert agreed.item() == n * int.from_bytes(digest, "big"), "an all-reduce gave the ranks different bits"
+    for owner in range(n):
+        one = xs[rank].clone()
+        comm.start_reduce(one, owner).wait()
+        if owner == rank:
+            assert torch.equal(one, owner_sum(xs, owner)), case
+        one = xs[rank].clone()
+        comm.start_broadcast(one, owner).wait()
+        assert torch.equal(one, xs[owner]), case
+
+
+check(0, 1000, torch.float32)
+check(1, 999, torch.bfloat16)
+check(2, FIRST_CAPACITY // 4 + 12345, torch.float32)  # past the first capacity: every box grows
+assert comm.boxes.capacity > FIRST_CAPACITY
+check(3, 1000, torch.float32)  # after the growth
+comm._barrier()
+assert not glob.glob(comm.boxes.prefix + "_*"), "a box's name was left in /dev/shm"
+
+plain = open_transport(TensorShardConfig(enabled=True, shared_memory=False), None, cpu)
+assert isinstance(plain, TorchComm), plain.name
+if rank == n - 1:  # one rank elsewhere: no rank takes the lane
+    host_shared._host_key = lambda: "another host"
+assert not host_shared.on_one_host(plain)
+print("OK", flush=True)
