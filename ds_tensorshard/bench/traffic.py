@@ -104,8 +104,8 @@ def count_shared_memory() -> None:
     original = host_shared.HostSharedComm._exchange
 
     @functools.wraps(original)
-    def counted(self, flat, write, read, _original=original):
+    def counted(self, flat, write, read, what, _original=original):
         SENT["shared_memory"] += sum(numel for _owner, _offset, numel in write) * flat.element_size()
-        return _original(self, flat, write, read)
+        return _original(self, flat, write, read, what)
 
     host_shared.HostSharedComm._exchange = counted  # type: ignore[method-assign]

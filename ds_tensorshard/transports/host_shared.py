@@ -14,17 +14,18 @@ host (the same boot, network namespace and /dev/shm) with room in /dev/shm; othe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
-import random
 import socket
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
 
-from ds_tensorshard.transports.protocol import Pending, Span, Transport
+from ds_tensorshard.errors import CollectiveTimeout
+from ds_tensorshard.transports.protocol import Pending, Span, Transport, all_of
 
 SHM_DIR = "/dev/shm"
 ALIGN = 4096  # bytes: a half's start (any dtype's alignment)
@@ -54,7 +55,7 @@ def on_one_host(comm: Transport) -> bool:
         key = _host_key()
         usable = os.access(SHM_DIR, os.W_OK)
     except OSError:
-        key, usable = f"unknown-{os.getpid()}-{random.random()}", False
+        key, usable = f"unknown-{os.getpid()}-{os.urandom(8).hex()}", False
     digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:3], "big") >> 3  # squares x 2**11 ranks < 2**53
     same = _agreed(comm, digest) == digest * comm.world_size and _agreed(comm, digest**2) == digest**2 * comm.world_size
     return _agreed(comm, float(same and usable)) == comm.world_size
@@ -65,8 +66,9 @@ class Boxes:
 
     def __init__(self, comm: Transport, barrier: Callable[[], None]) -> None:
         self.comm, self.barrier = comm, barrier
-        token = random.getrandbits(30) if comm.rank == 0 else 0
-        self.prefix = f"{SHM_DIR}/ds_tensorshard_{int(_agreed(comm, token))}"
+        # rank 0's pid and 30 random bits (os.urandom: neither a seeded nor a forked random state repeats them)
+        token = os.getpid() * 2**30 + int.from_bytes(os.urandom(4), "big") % 2**30 if comm.rank == 0 else 0
+        self.prefix = f"{SHM_DIR}/ds_tensorshard_{int(_agreed(comm, token)):x}"
         self.capacity, self.generation = 0, 0
         self.maps: list[mmap.mmap] = []
         self.views: list[torch.Tensor] = []
@@ -104,7 +106,9 @@ class Boxes:
 
 class HostSharedComm:
     """:class:`~ds_tensorshard.transports.protocol.Transport` over ``inner``'s group through shared memory; the
-    norm's all-reduce, the barrier and :meth:`fail` stay ``inner``'s."""
+    norm's all-reduce, the barrier and :meth:`fail` stay ``inner``'s. A barrier that fails (its deadline, a lost
+    peer) is raised where the collective is waited for, as the transports' own are, and every later collective
+    fails the same way at once."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
@@ -113,24 +117,32 @@ class HostSharedComm:
         self.name = f"{inner.name} + shared memory"
         self._tick = torch.zeros(1, device=inner.device)
         self._index = 0
+        self._failed: Exception | None = None
         self.boxes = Boxes(inner, self._barrier)
 
     def _barrier(self) -> None:
-        self.inner.all_reduce_sum(self._tick, lambda: "the shared-memory lane's barrier")
+        self.inner.all_reduce_sum(self._tick)
 
     def _exchange(
-        self, flat: torch.Tensor, write: Sequence[Span], read: Callable[[list[torch.Tensor]], None]
+        self, flat: torch.Tensor, write: Sequence[Span], read: Callable[[list[torch.Tensor]], None], what: str
     ) -> Pending:
         """Write ``write``'s spans of ``flat`` into this rank's half, meet at the barrier, then ``read`` from
-        every rank's half (laid out as ``flat``)."""
-        flat = flat.view(-1)
-        self.boxes.ensure(flat.numel() * flat.dtype.itemsize)
-        index, self._index = self._index, self._index + 1
-        halves = [self.boxes.half(rank, index, flat.dtype, flat.numel()) for rank in range(self.world_size)]
-        mine = halves[self.rank]
-        for _, offset, numel in write:
-            mine[offset : offset + numel].copy_(flat[offset : offset + numel])
-        self._barrier()
+        every rank's half (laid out as ``flat``); ``what`` names the collective for a deadline."""
+        if self._failed is None:
+            flat = flat.view(-1)
+            try:
+                self.boxes.ensure(flat.numel() * flat.dtype.itemsize)
+                index, self._index = self._index, self._index + 1
+                halves = [self.boxes.half(rank, index, flat.dtype, flat.numel()) for rank in range(self.world_size)]
+                for _, offset, numel in write:
+                    halves[self.rank][offset : offset + numel].copy_(flat[offset : offset + numel])
+                self._barrier()
+            except CollectiveTimeout:
+                self._failed = CollectiveTimeout(f"{what} through shared memory")
+            except RuntimeError as err:  # a lost peer: the data path's wait names it
+                self._failed = err
+        if self._failed is not None:
+            return Pending(functools.partial(_raise, self._failed))
         read(halves)
         return Pending(lambda: None)
 
@@ -145,35 +157,42 @@ class HostSharedComm:
         return self.start_reduce_segments(tensor, [(owner, 0, tensor.numel())])
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
-        return self.start_broadcast_segments(tensor, [(owner, 0, tensor.numel())])
+        def read(halves: list[torch.Tensor]) -> None:
+            if owner != self.rank:
+                tensor.view(-1).copy_(halves[owner])
+
+        mine = [(owner, 0, tensor.numel())] if owner == self.rank else []
+        return self._exchange(tensor, mine, read, f"broadcast from rank {owner}")
 
     def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        others = [span for span in spans if span[0] != self.rank]
-
         def read(halves: list[torch.Tensor]) -> None:
             for owner, offset, numel in spans:
                 if owner == self.rank:
                     self._sum_into(flat, halves, offset, numel)
 
-        return self._exchange(flat, others, read)
+        others = [span for span in spans if span[0] != self.rank]
+        what = "reduce to rank " + ", ".join(str(owner) for owner, _, _ in spans)
+        return self._exchange(flat, others, read, what)
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        def read(halves: list[torch.Tensor]) -> None:
-            out = flat.view(-1)
-            for owner, offset, numel in spans:
-                if owner != self.rank:
-                    out[offset : offset + numel].copy_(halves[owner][offset : offset + numel])
-
-        return self._exchange(flat, [span for span in spans if span[0] == self.rank], read)
-
-    def _slots(self, slot: int) -> list[Span]:
-        return [(rank, rank * slot, slot) for rank in range(self.world_size)]
+        """One exchange per owner: to the other ranks the same as a :meth:`start_broadcast` of each span (which the
+        gather of an owner's whole tensor sends from the tensor itself)."""
+        out = flat.view(-1)
+        pending = [self.start_broadcast(out[offset : offset + numel], owner) for owner, offset, numel in spans]
+        return all_of(pending, flat)
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
-        return self.start_reduce_segments(flat, self._slots(slot))
+        return self.start_reduce_segments(flat, [(rank, rank * slot, slot) for rank in range(self.world_size)])
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
-        return self.start_broadcast_segments(flat, self._slots(slot))
+        def read(halves: list[torch.Tensor]) -> None:
+            out = flat.view(-1)
+            for rank in range(self.world_size):
+                if rank != self.rank:
+                    out[rank * slot : (rank + 1) * slot].copy_(halves[rank][rank * slot : (rank + 1) * slot])
+
+        mine = [(self.rank, self.rank * slot, slot)]
+        return self._exchange(flat, mine, read, f"all-gather of {self.world_size} slots")
 
     def start_all_reduce(self, flat: torch.Tensor) -> Pending:
         def read(halves: list[torch.Tensor]) -> None:
@@ -182,10 +201,14 @@ class HostSharedComm:
             for rank in range(1, self.world_size):
                 out.add_(halves[rank])
 
-        return self._exchange(flat, [(self.rank, 0, flat.numel())], read)
+        return self._exchange(flat, [(self.rank, 0, flat.numel())], read, f"all-reduce of {flat.numel():,} elements")
 
     def all_reduce_sum(self, tensor: torch.Tensor, where: Callable[[], str] | None = None) -> None:
         self.inner.all_reduce_sum(tensor, where)
 
     def fail(self, message: str) -> NoReturn:
         self.inner.fail(message)
+
+
+def _raise(error: Exception) -> None:
+    raise error

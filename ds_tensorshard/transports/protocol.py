@@ -87,7 +87,8 @@ class Transport(Protocol):
         """Start summing each span of ``flat`` over ranks into its owner's ``flat`` (the rest left undefined)."""
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        """Start copying each span of its owner's ``flat`` into every rank's ``flat``."""
+        """Start copying each span of its owner's ``flat`` into every rank's ``flat``; to the other ranks the same
+        as a :meth:`start_broadcast` of each span, in order (an owner may send its span from another tensor)."""
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         """Start summing ``flat`` (``world_size x slot`` elements) over ranks into this rank's slot of ``flat``,

@@ -106,6 +106,7 @@ def test_mpiexec_with_hostfile_and_torch_backend(tmp_path):
     hostfile.write_text("localhost:2\n")
     found = results(mpiexec(["-m", "ds_tensorshard", PLAIN, "--port", str(free_port())], 2, ["-f", str(hostfile)]))
     assert [(r["rank"], r["transport"]) for r in found] == [(0, "TorchComm"), (1, "TorchComm")]
+    assert all(r["shared_memory"] for r in found)  # one host: the shared-memory lane over the torch transport
 
 
 @pytest.mark.extended  # hostfiles across two hosts: the multihost tier

@@ -67,7 +67,8 @@ def test_stopped_rank_torch_transport_others_raise_within_the_deadline():
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
     assert re.search(
         r"ds_tensorshard: step 2, reduce of bucket \d+ of \d+ \(first tensor '[\w.]+', [\d,]+ elements\): "
-        r"reduce to rank \d did not complete within tensorshard.timeout_s=5 s on the torch \(gloo\) "
+        r"reduce to rank \d[\d, ]*( through shared memory)? did not complete within tensorshard.timeout_s=5 s on the "
+        r"torch \(gloo\)( \+ shared memory)? "
         r"transport; ranks that have not arrived: \[1\]",
         out0,
     ), out0[-3000:]
@@ -80,8 +81,8 @@ def test_stopped_rank_mpi_transport_aborts_the_job_within_the_deadline():
     assert code != 0 and "done" not in events(out)
     assert ended - stopped <= TIMEOUT_S + GRACE_S + SLACK_S, ended - stopped
     assert re.search(
-        r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi transport; ranks that have not "
-        r"arrived: \[1\]",
+        r"ds_tensorshard: step 2, reduce of bucket \d+ .* on the mpi( \+ shared memory)? transport; ranks that have "
+        r"not arrived: \[1\]",
         out,
     ), out[-3000:]
 
@@ -101,7 +102,7 @@ def test_rank_that_skips_a_step_leaves_the_others_to_the_deadline_naming_it(tran
     assert code != 0
     print(f"{transport} transport, rank 1 ended a step early: rank 0 ended {ended - events(out)['done']:.1f} s later")
     assert ended - events(out)["done"] <= TIMEOUT_S + GRACE_S + SLACK_S
-    transport_name = r"torch \(gloo\)" if transport == "torch" else "mpi"
+    transport_name = (r"torch \(gloo\)" if transport == "torch" else "mpi") + r"( \+ shared memory)?"
     assert re.search(
         rf"ds_tensorshard: step 5, reduce of bucket \d+ .* on the {transport_name} transport; ranks that "
         rf"have not arrived: \[1\]",
@@ -243,7 +244,7 @@ LOST_AT = {
     "first": (
         TIMEOUT_S,
         r"ds_tensorshard: step 0, reduce of bucket \d+ .*(did not complete within tensorshard\.timeout_s=5 s|a rank "
-        r"was lost) on the (torch \(gloo\)|mpi) transport.*; ranks that have not arrived: \[1\]",
+        r"was lost) on the (torch \(gloo\)|mpi)( \+ shared memory)? transport.*; ranks that have not arrived: \[1\]",
     ),
     "exit": (
         TIMEOUT_S + 2 * GRACE_S,

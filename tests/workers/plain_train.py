@@ -45,13 +45,15 @@ for _ in range(args.steps):
     loss = engine(x).pow(2).mean()
     engine.backward(loss)
     engine.step()
+comm = getattr(optimizer, "comm", None)
 # one short write per line, so the launcher's merged output never interleaves two ranks' lines
 line = "RESULT " + json.dumps(
     {
         "rank": engine.global_rank,
         "local_rank": args.local_rank,
         "master_port": os.environ.get("MASTER_PORT"),
-        "transport": type(getattr(optimizer, "comm", None)).__name__,
+        "transport": type(getattr(comm, "inner", comm)).__name__,  # the lane's own transport where it is taken
+        "shared_memory": hasattr(comm, "inner"),
         "optimizer": type(optimizer).__name__,
         "params_digest": hashlib.sha1(
             b"".join(p.detach().numpy().tobytes() for p in engine.module.parameters())
