@@ -30,8 +30,10 @@ from tests.workers.stage3_worker import GAS, STEPS
 
 WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
-# branch: modules run in some micro-steps only; with zero_grad() between micro-steps and before step()
+# branch: modules run in some micro-steps only; with zero_grad() between micro-steps and before step(); frozenleaf:
+# a ZeRO-3 leaf module whose parameters are all frozen
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "branch", "zerograd+branch+stepgrad")
+FP32_VARIANTS += ("frozenleaf",)
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
@@ -196,7 +198,7 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     holds only its own pieces after the steps; in the hard cases no parameter stays gathered between a forward and its
     backward (stock's fetch knobs keep all 30 on this model); the frozen tensor stays, the unused one moves
     (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran; zero_grad() between micro-steps
-    changed the steps."""
+    changed the steps; the frozen leaf module is a ZeRO-3 leaf and stays as built."""
     load = stage3_runs(2)
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
@@ -221,6 +223,10 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
         branch = load(f"fp32:{mode}:branch", 0)
         cleared = load(f"fp32:{mode}:zerograd+branch+stepgrad", 0)["losses"]
         assert cleared[:2] == branch["losses"][:2] and cleared[2] != branch["losses"][2], mode
+        leaf = load(f"fp32:{mode}:frozenleaf", 0)
+        assert leaf["leaf_modules"] == ["frozen_leaf"], mode
+        frozen = [n for n in leaf["params"] if n.startswith("frozen_leaf.")]
+        assert len(frozen) == 4 and all(torch.equal(leaf["params"][n], leaf["initial"][n]) for n in frozen), mode
 
 
 def test_stock_zero3_trains_as_stock_zero2(stage3_runs):

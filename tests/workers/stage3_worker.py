@@ -24,6 +24,7 @@ import time
 import deepspeed
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
 from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
@@ -42,12 +43,25 @@ VOCAB, WIDTH = 1024, 160
 # offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json;
 # zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume);
 # stepgrad: the optimizer's zero_grad() after the backward of each step's last micro-step, before engine.step();
-# branch: two modules run only in some micro-steps (:func:`branches`)
+# branch: two modules run only in some micro-steps (:func:`branches`); frozenleaf: a ZeRO-3 leaf module
+# (deepspeed.utils.set_z3_leaf_modules) whose parameters are all frozen, after the blocks
 FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
-FLAGS += ("stepgrad", "branch")
+FLAGS += ("stepgrad", "branch", "frozenleaf")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
+
+
+class FrozenLeaf(nn.Module):
+    """Two linear layers gathered as one ZeRO-3 leaf module (``set_z3_leaf_modules``), every parameter frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
 
 
 class Stage3GPT(TinyGPT):
@@ -61,6 +75,9 @@ class Stage3GPT(TinyGPT):
         self.early_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
         self.late_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
         self.branches: set[str] = set()  # those of the branches the next forward runs (set by :func:`train`)
+        self.frozen_leaf = FrozenLeaf() if "frozenleaf" in flags else None
+        if self.frozen_leaf is not None:
+            set_z3_leaf_modules(self, [FrozenLeaf])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
@@ -72,6 +89,8 @@ class Stage3GPT(TinyGPT):
             x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
         for name in sorted(self.branches):
             x = x + getattr(self, f"{name}_branch")(x)
+        if self.frozen_leaf is not None:
+            x = x + self.frozen_leaf(x)
         logits = self.head(self.ln_f(x))
         return nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
@@ -244,6 +263,7 @@ def run_case(case: str, out_dir: str) -> None:
         initial=initial,
         skipped_steps=engine.skipped_steps,
         optimizer_class=type(optimizer).__name__,
+        leaf_modules=[n for n, m in engine.module.named_modules() if z3_leaf_module(m)],
         group_lrs=[g["lr"] for g in optimizer.param_groups],
         launcher="deepspeed" if "CROSS_RANK" in os.environ else "mpi" if "PMI_RANK" in os.environ else "ranks",
         seconds=time.monotonic() - started,  # for the record (docs), never asserted
