@@ -73,6 +73,7 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
     overflow: bool
     _global_grad_norm: float | torch.Tensor | None
     storage = staticmethod(model_block)  # where the model keeps a block the rank owns (stage 3: elsewhere)
+    keeps_gradients = False  # stage 3: a gradient stays until a backward brings another (as stock ZeRO-3's)
 
     def __init__(
         self,
@@ -142,9 +143,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
         self.host = None if offload is None else HostMemory(bool(offload.pin_memory))  # ZeRO-Offload (device cpu)
         counted = functools.partial(counted_in_norm, model_parallel_rank=self.model_parallel_rank)
         dtype = master_dtype(engine, self.optimizer)
-        self.shard = OwnedShard(
-            self.optimizer, owned, self.accum_dtype, engine.device, self.host, counted, dtype, self.storage
-        )
+        where = (self.accum_dtype, engine.device, self.host)
+        self.shard = OwnedShard(self.optimizer, owned, *where, counted, dtype, self.storage, self.keeps_gradients)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
         buckets = functools.partial(all_buckets, self.domains)
         self.offload = StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)

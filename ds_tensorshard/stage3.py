@@ -113,6 +113,21 @@ def _unplanned(param: torch.nn.Parameter) -> tuple[Block, ...]:
     )
 
 
+def refuse_kept_gradient_offloaded(
+    kept: set[int], params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str]
+) -> None:
+    """With ZeRO-Offload stock ZeRO-3 updates a tensor that got no gradient since the last step (but did before)
+    with its last clipped gradient, left out of the norm: ds_tensorshard refuses what it would not follow."""
+    name = next((names[p] for p in params if id(p) in kept), None)
+    if name is not None:
+        raise TensorShardUsageError(
+            f"ds_tensorshard: '{name}' got no gradient since the last step but did before; at ZeRO stage 3 with "
+            "offload_optimizer stock DeepSpeed updates it with its last clipped gradient, left out of the norm, "
+            "which ds_tensorshard does not follow. Use every trained parameter in each step, or disable "
+            "offload_optimizer"
+        )
+
+
 def ds_tensor_of(param: torch.nn.Parameter, block: Block) -> torch.Tensor:
     """Where the owner keeps its block at stage 3: the parameter's ``ds_tensor``."""
     return param.ds_tensor  # type: ignore[attr-defined]
@@ -123,6 +138,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
     whose owners alone keep them (``parameter_offload`` gathers and releases them around each module)."""
 
     storage = staticmethod(ds_tensor_of)
+    keeps_gradients = True  # stock ZeRO-3 never zeroes its gradient partitions
 
     def __init__(
         self,
@@ -139,6 +155,34 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self.save_frozen = True  # the engine's save_checkpoint sets it (False: exclude_frozen_parameters)
         super().__init__(init_optimizer, engine, config)
         self.fp16_groups = self.bit16_groups
+        # stock's micro_step_id 0: the next backward's gradients replace the kept ones (they add from the second on)
+        self.fresh, self._backward_ran = True, False
+        # ids of the tensors whose gradients arrived: since the last step, and in any earlier step (ZeRO-Offload)
+        self._arrived: set[int] = set()
+        self._arrived_before: set[int] = set()
+        self.reducer.deliver = self._replacing(self.reducer.deliver)
+
+    def _replacing(self, deliver: Any) -> Any:
+        """``deliver``, first clearing the kept gradients of the tensors a fresh backward brought (stock's copy)."""
+
+        def deliver_replacing(bucket: Any, segment: torch.Tensor) -> None:
+            if self.fresh:
+                owned = bucket.segment_of(self.comm.rank)
+                self.shard.grads.restart(owned, lambda param: id(param) in self.reducer.seen)
+            deliver(bucket, segment)
+
+        return deliver_replacing
+
+    def _reduce_to_owners(self) -> None:
+        self._arrived |= self.reducer.seen
+        super()._reduce_to_owners()
+        self._backward_ran = True
+
+    def clear_backward_seen_flag(self) -> None:
+        """At each forward: after a backward, its gradients are added to (stock's micro_step_id moves on here)."""
+        if self._backward_ran:
+            self.fresh = False
+        super().clear_backward_seen_flag()
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: Any) -> None:
         """One domain, the data-parallel group's, planned by :func:`plan_parameters` (the parameters' owners)."""
@@ -162,18 +206,24 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
     def step(self, closure: Any = None) -> None:
-        """Every parameter released (as stock's step begins), then the step of stage 2 without its broadcast."""
+        """Every parameter released (as stock's step begins), then the step of stage 2 without its broadcast. The
+        owners keep each gradient until a backward brings another (a tensor that gets none in a step is updated
+        with its last one, as stock's ZeRO-3)."""
         self._partition_all_parameters()
+        if self.host is not None:
+            refuse_kept_gradient_offloaded(self._arrived_before - self._arrived, self.params, self.names)
+        self._arrived_before |= self._arrived
+        self._arrived = set()
         super().step(closure)
+        self.fresh, self._backward_ran = True, False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As at stages 1/2, and between the micro-steps of an accumulation also the gradients the owners have
-        reduced since the last step are dropped: stock's stage 3 restarts its accumulation there (its next backward
-        overwrites its gradient partitions), so the step's gradient is that of the backward passes after the call
-        (Lightning calls it so when resumed from a checkpoint saved at an epoch's end)."""
+        """As at stages 1/2; the gradients the owners have reduced stay, and the next backward's replace those of
+        the tensors it brings (stock's stage 3 restarts its accumulation so: its next backward overwrites the
+        gradient partitions it reaches, and a tensor it does not reach keeps its gradient). Lightning calls it
+        between micro-steps when resumed from a checkpoint saved at an epoch's end."""
         super().zero_grad(set_to_none)
-        if self.phase is Phase.ACCUMULATING and self.shard.grads.accumulated:
-            self.shard.drop_grads()
+        self.fresh, self._backward_ran = True, False
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

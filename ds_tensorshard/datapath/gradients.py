@@ -74,8 +74,12 @@ class OwnedGradients:
         host: HostMemory | None,
         separate: set[torch.nn.Parameter],
         master_dtype: torch.dtype = torch.float32,
+        keeps: bool = False,
     ) -> None:
         self.blocks, self.host, self.accum_dtype, self.device = blocks, host, accum_dtype, device
+        # stage 3: a tensor's gradient stays until a backward brings it another (stock ZeRO-3 never zeroes its
+        # gradient partitions), so the step's unscale and clip work on a copy (:meth:`zero`, :meth:`restart`)
+        self.keeps = keeps
         self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
         self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
         self.accumulated = False  # a gradient was added or set since the last zero()
@@ -97,7 +101,8 @@ class OwnedGradients:
     ) -> None:
         total = sum(self.blocks[p].numel for p in params)
         buffer = self._zeros(total, self.accum_dtype, host)
-        step = buffer if buffer.dtype == self.step_dtype else self._zeros(total, self.step_dtype, host)
+        apart = buffer.dtype != self.step_dtype or self.keeps
+        step = self._zeros(total, self.step_dtype, host) if apart else buffer
         grad = step if step.dtype == self.master_dtype else self._zeros(total, self.master_dtype, host)
         section = Section(group, host, buffer, step, grad)
         offset = 0
@@ -255,11 +260,23 @@ class OwnedGradients:
 
     @torch.no_grad()
     def zero(self) -> None:
-        """The step is done: the accumulation starts again from zero."""
+        """The step is done: the accumulation starts again from zero (``keeps``: each gradient stays as it is until
+        :meth:`restart` clears it for a new one)."""
         self.settle()
         self.narrowed = self.accumulated = False
-        for section in self.sections:
-            section.buffer.zero_()
+        if not self.keeps:
+            for section in self.sections:
+                section.buffer.zero_()
+
+    @torch.no_grad()
+    def restart(self, segment: Segment, arrived: Callable[[torch.nn.Parameter], bool]) -> None:
+        """Before ``segment`` is added: clear the pieces of the tensors that ``arrived`` (whose gradients the
+        backward brought), so that these take the new gradient alone (stock ZeRO-3's copy at its micro-step 0)."""
+        self.settle()
+        views, _, _ = self._destinations(segment)
+        for view, piece in zip(views, segment.pieces):
+            if arrived(piece.param):
+                view.zero_()
 
     def move(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The buffers to where ``moved`` puts them (``offload_states`` of ``lp_grads``); views are remade."""

@@ -34,7 +34,8 @@ class OwnedShard:
     (ZeRO-Offload, :mod:`~ds_tensorshard.datapath.host`) the masters are host copies, each reduced gradient
     segment is accumulated on the host as it arrives, and the inner optimizer's state is made there; except
     for Muon's matrices (:mod:`~ds_tensorshard.datapath.muon_offload`), whose gradients stay on ``device``,
-    orthogonalized there at their update. ``counted(param)``: whether the norm counts it.
+    orthogonalized there at their update. ``counted(param)``: whether the norm counts it. ``keeps`` (stage 3): a
+    gradient stays until a backward brings another (:class:`~ds_tensorshard.datapath.gradients.OwnedGradients`).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class OwnedShard:
         counted: Callable[[torch.nn.Parameter], bool] = lambda p: True,
         master_dtype: torch.dtype = torch.float32,
         storage: Callable[[torch.nn.Parameter, Block], torch.Tensor] | None = None,
+        keeps: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.storage = storage or model_block  # where the model keeps an owned block (stage 3: its ds_tensor)
@@ -79,8 +81,9 @@ class OwnedShard:
                 masters.append(master)
             group["params"] = masters
         self.on_device &= self.masters.keys()
+        separate = matrices & self.masters.keys()
         self.grads = OwnedGradients(
-            self.blocks, self.group_of, counted, accum_dtype, device, host, matrices & self.masters.keys(), master_dtype
+            self.blocks, self.group_of, counted, accum_dtype, device, host, separate, master_dtype, keeps
         )
         self.attach_grads()  # a Muon matrix's (on_device) is lent at its update
         self._own_views: dict[torch.nn.Parameter, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}

@@ -27,7 +27,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import Init
 
-from ds_tensorshard.config.schema import from_environment, parse_block
+from ds_tensorshard.config.schema import BLOCK, from_environment, parse_block
+from ds_tensorshard.config.stage3_checks import validate_stage3
 from ds_tensorshard.parameters.owned import OwnedParameters
 from ds_tensorshard.parameters.ownership import ConstructionOwners
 from ds_tensorshard.transports import open_transport
@@ -67,7 +68,9 @@ def _wrap_init(original):
 def constructing(arguments: dict[str, Any]) -> OwnedParameters | None:
     """The protocol of a ``zero.Init`` made by a user (HF's ``from_pretrained``, Accelerate, Lightning) whose config
     enables ds_tensorshard at stage 3: one per process group and transport, so that the loads of every model built
-    under it are balanced together (:class:`~ds_tensorshard.parameters.ownership.ConstructionOwners`)."""
+    under it are balanced together (:class:`~ds_tensorshard.parameters.ownership.ConstructionOwners`). A stage-3
+    key that ``deepspeed.initialize`` refuses with ds_tensorshard is refused here too, before any parameter is
+    built."""
     param_dict = _config_of(arguments.get("config_dict_or_path") or arguments.get("config"))
     if not arguments.get("enabled", True) or param_dict is None:
         return None
@@ -76,6 +79,7 @@ def constructing(arguments: dict[str, Any]) -> OwnedParameters | None:
     config = parse_block(param_dict)
     if not config.enabled:
         return None
+    validate_stage3(param_dict, param_dict.get(BLOCK) or {})
     if not dist.is_initialized():
         dist.init_distributed()
     group = arguments.get("data_parallel_group") or arguments.get("sequence_data_parallel_group")

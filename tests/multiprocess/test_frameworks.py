@@ -281,8 +281,9 @@ def test_lightning_deepspeed_strategy_stage3(tmp_path):
 def test_lightning_deepspeed_strategy_stage3_resume(tmp_path):
     """Resumed through Lightning from its step-3 checkpoint on 4 ranks, as stock ZeRO-3 resumed on 2. Resumed from
     a checkpoint saved at an epoch's end, Lightning runs one more batch of the old epoch and calls the optimizer's
-    ``zero_grad()`` between two micro-steps of the next step: stock's stage 3 then drops what it accumulated, and so
-    does ds_tensorshard's (before it did not: 3.5e-2 apart on the loss of steps 4-6)."""
+    ``zero_grad()`` between two micro-steps of the next step: stock's stage 3 then replaces what it accumulated with
+    the next backward's gradients, and so does ds_tensorshard's (before it did not: 3.5e-2 apart on the loss of
+    steps 4-6)."""
     run = functools.partial(lightning_run, stage=3)
     check_framework("Lightning DeepSpeedStrategy at ZeRO-3", run, tmp_path, resume_ranks=4, stage=3)
 

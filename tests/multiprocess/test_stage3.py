@@ -26,10 +26,14 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.compare import TOLERANCE, assert_run_matches, within_ulps
 from tests.helpers.ranks import run_deepspeed_launcher, run_ranks
+from tests.workers.stage3_worker import GAS, STEPS
 
 WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
-FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "zerograd")
+# branch: modules run in some micro-steps only; with zero_grad() between micro-steps and before step(); frozenleaf:
+# a ZeRO-3 leaf module whose parameters are all frozen
+FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "branch", "zerograd+branch+stepgrad")
+FP32_VARIANTS += ("frozenleaf",)
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
@@ -39,8 +43,12 @@ TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt"), ("fp32", "offpara
 # the clip factor (measured: parameters within 4.2e-7 but the key bias, 7.1e-6; losses 9.5e-7): compare.py's fp32
 # tolerance there, bit for bit in bf16 (its norm and parameters measured identical)
 NOT_BIT_EXACT = {("fp32", "offopt")}
+# refused by ds_tensorshard where stock trains: a tensor sitting out a step with ZeRO-Offload (the last step's early
+# branch)
+REFUSED = [("fp32", "offopt+branch")]
 THREE_RANKS = [("fp32", "persist0")]
 EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt")]
+EVERY += [("fp32", v) for v in ("zerograd", "stepgrad", "offopt+zerograd+stepgrad")]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
 # The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
@@ -93,7 +101,7 @@ def stage3_runs(tmp_path_factory):
 
     def runs(n: int):
         if n not in loaders:
-            specs = TWO_RANKS if n == 2 else THREE_RANKS
+            specs = TWO_RANKS + REFUSED if n == 2 else THREE_RANKS
             stock2 = ["fp32:stock2"] if n == 2 else []
             cases = [case(d, "stock", v) for d, v in specs] + stock2 + [case(d, "ts", v) for d, v in specs]
             loaders[n] = launch(tmp_path_factory.mktemp(f"stage3_{n}"), n, cases, "deepspeed" if n == 2 else "ranks")
@@ -139,6 +147,17 @@ def test_two_ranks_train_as_stock_zero3(stage3_runs):
     assert_pairs(stage3_runs(2), 2, TWO_RANKS)
 
 
+def test_a_tensor_sitting_out_a_step_with_zero_offload_is_refused(stage3_runs):
+    """With ZeRO-Offload stock ZeRO-3 updates a tensor that got no gradient in a step (but did before) with its last
+    clipped gradient, left out of the norm: ds_tensorshard refuses that step, naming the tensor; stock trains on."""
+    for dtype, variant in REFUSED:
+        for rank in range(2):
+            stock, ours = (stage3_runs(2)(case(dtype, mode, variant), rank) for mode in ("stock", "ts"))
+            assert stock["step_refused"] is None and len(stock["losses"]) == STEPS * GAS
+            assert "'early_branch.weight' got no gradient since the last step" in ours["step_refused"], rank
+            assert len(ours["losses"]) == (STEPS - 1) * GAS + 1, rank  # refused at the last step
+
+
 def test_three_ranks_train_as_stock_zero3(stage3_runs):
     """fp32, threshold 0: within compare.py's tolerances (three values summed in another order than stock's)."""
     assert_pairs(stage3_runs(3), 3, THREE_RANKS)
@@ -179,7 +198,7 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     holds only its own pieces after the steps; in the hard cases no parameter stays gathered between a forward and its
     backward (stock's fetch knobs keep all 30 on this model); the frozen tensor stays, the unused one moves
     (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran; zero_grad() between micro-steps
-    changed the steps."""
+    changed the steps; the frozen leaf module is a ZeRO-3 leaf and stays as built."""
     load = stage3_runs(2)
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
@@ -200,9 +219,14 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
         root = load(f"fp32:{mode}:root", 0)
         assert not torch.equal(root["params"]["root_shift"], root["initial"]["root_shift"]), mode
         assert len(load(f"fp32:{mode}:evalnograd", 0)["eval_losses"]) == 3, mode
-        # zero_grad() between the micro-steps: the first step's gradient is its last micro-step's alone
-        cleared = load(f"fp32:{mode}:zerograd", 0)["losses"]
-        assert cleared[:2] == zero["losses"][:2] and cleared[2] != zero["losses"][2], mode
+        # zero_grad() between the micro-steps: the first step's gradient is not the two micro-steps' sum
+        branch = load(f"fp32:{mode}:branch", 0)
+        cleared = load(f"fp32:{mode}:zerograd+branch+stepgrad", 0)["losses"]
+        assert cleared[:2] == branch["losses"][:2] and cleared[2] != branch["losses"][2], mode
+        leaf = load(f"fp32:{mode}:frozenleaf", 0)
+        assert leaf["leaf_modules"] == ["frozen_leaf"], mode
+        frozen = [n for n in leaf["params"] if n.startswith("frozen_leaf.")]
+        assert len(frozen) == 4 and all(torch.equal(leaf["params"][n], leaf["initial"][n]) for n in frozen), mode
 
 
 def test_stock_zero3_trains_as_stock_zero2(stage3_runs):

@@ -115,6 +115,21 @@ BAD = [
 ]
 
 
+STAGE3_BAD = [(over, message) for over, message in BAD if over.get("zero_optimization", {}).get("stage") == 3]
+
+
+@pytest.mark.parametrize("overrides,message", STAGE3_BAD, ids=[m for _, m in STAGE3_BAD])
+def test_stage3_config_refused_at_initialize_is_refused_at_zero_init(overrides, message):
+    """``deepspeed.zero.Init`` with the tensorshard block refuses what ``deepspeed.initialize`` refuses at stage 3,
+    with the same message, before the model under it is built."""
+    built = []
+    with pytest.raises(TensorShardConfigError) as err:
+        with deepspeed.zero.Init(config_dict_or_path=base_config(**overrides)):
+            built.append(torch.nn.Linear(4, 2))
+    assert message in str(err.value)
+    assert built == []
+
+
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
 def test_bad_config_fails_at_initialize_naming_the_key(overrides, message):
     config = base_config(**overrides)

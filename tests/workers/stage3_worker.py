@@ -24,9 +24,11 @@ import time
 import deepspeed
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
 from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
+from ds_tensorshard.errors import TensorShardUsageError
 from tests.helpers.emulated_accelerator import model_device, serve_cases
 from tests.helpers.tiny_gpt import TinyGPT, checkpointed
 from tests.workers.equivalence_worker import param_groups
@@ -39,11 +41,27 @@ VOCAB, WIDTH = 1024, 160
 # read in its forward; ckpt/dsckpt: every block under torch's checkpoint (use_reentrant=False) or DeepSpeed's;
 # evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step;
 # offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json;
-# zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume)
+# zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume);
+# stepgrad: the optimizer's zero_grad() after the backward of each step's last micro-step, before engine.step();
+# branch: two modules run only in some micro-steps (:func:`branches`); frozenleaf: a ZeRO-3 leaf module
+# (deepspeed.utils.set_z3_leaf_modules) whose parameters are all frozen, after the blocks
 FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
+FLAGS += ("stepgrad", "branch", "frozenleaf")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
+
+
+class FrozenLeaf(nn.Module):
+    """Two linear layers gathered as one ZeRO-3 leaf module (``set_z3_leaf_modules``), every parameter frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
 
 
 class Stage3GPT(TinyGPT):
@@ -54,6 +72,12 @@ class Stage3GPT(TinyGPT):
         super().__init__(vocab=VOCAB, width=WIDTH, seq=SEQ, checkpointing=how)
         self.twice = "twice" in flags
         self.root_shift = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02) if "root" in flags else None
+        self.early_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
+        self.late_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
+        self.branches: set[str] = set()  # those of the branches the next forward runs (set by :func:`train`)
+        self.frozen_leaf = FrozenLeaf() if "frozenleaf" in flags else None
+        if self.frozen_leaf is not None:
+            set_z3_leaf_modules(self, [FrozenLeaf])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)
@@ -63,6 +87,10 @@ class Stage3GPT(TinyGPT):
         blocks = [*self.blocks, self.blocks[-1]] if self.twice else list(self.blocks)
         for block in blocks:
             x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
+        for name in sorted(self.branches):
+            x = x + getattr(self, f"{name}_branch")(x)
+        if self.frozen_leaf is not None:
+            x = x + self.frozen_leaf(x)
         logits = self.head(self.ln_f(x))
         return nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
@@ -109,6 +137,13 @@ def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
     return config
 
 
+def branches(micro: int) -> set[str]:
+    """The branches a micro-step runs: ``early`` in the first micro-step of every step but the last (in the last
+    step none of its parameters gets a gradient), ``late`` in the last micro-step of every step."""
+    ran = {"late"} if micro % GAS == GAS - 1 else set()
+    return ran | {"early"} if micro % GAS == 0 and micro < (STEPS - 1) * GAS else ran
+
+
 def batch(rank: int, micro_step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * micro_step + rank)
     return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=gen)
@@ -153,12 +188,16 @@ def _owned(params) -> object | None:
 
 def train(engine, flags: set[str], rank: int) -> dict:
     """GAS micro-steps per step (``nosync``: the first under ``engine.no_sync()``, its refusal recorded;
-    ``zerograd``: the optimizer's ``zero_grad()`` before the backward of each step's last micro-step)."""
-    losses, norms, eval_losses, refused, resident = [], [], [], None, 0
+    ``zerograd``: the optimizer's ``zero_grad()`` before the forward of each step's last micro-step; ``stepgrad``:
+    after its backward, before ``engine.step()``; ``branch``: the model runs :func:`branches`). A step that
+    ds_tensorshard refuses ends the training, its message recorded."""
+    losses, norms, eval_losses, refused, resident, step_refused = [], [], [], None, 0, None
     for micro in range(STEPS * GAS):
         tokens = batch(rank, micro).to(engine.device)
         if "zerograd" in flags and (micro + 1) % GAS == 0:
             engine.optimizer.zero_grad()
+        if "branch" in flags:
+            engine.module.branches = branches(micro)
         if "nosync" in flags and micro % GAS == 0 and refused is None:
             try:
                 with engine.no_sync():
@@ -174,7 +213,13 @@ def train(engine, flags: set[str], rank: int) -> dict:
                 getattr(p, "ds_status", None) is ZeroParamStatus.AVAILABLE for p in engine.module.parameters()
             )
             engine.backward(loss)
-        engine.step()
+        if "stepgrad" in flags and (micro + 1) % GAS == 0:
+            engine.optimizer.zero_grad()
+        try:
+            engine.step()
+        except TensorShardUsageError as err:
+            step_refused = str(err)
+            break
         losses.append(loss.item())
         if (micro + 1) % GAS == 0:
             norms.append(float(engine.get_global_grad_norm() or 0.0))
@@ -188,6 +233,7 @@ def train(engine, flags: set[str], rank: int) -> dict:
         "norms": norms,
         "eval_losses": eval_losses,
         "no_sync_refused": refused,
+        "step_refused": step_refused,
         "resident_after_forward": resident,  # the last micro-step's, between its forward and backward
     }
 
@@ -217,6 +263,7 @@ def run_case(case: str, out_dir: str) -> None:
         initial=initial,
         skipped_steps=engine.skipped_steps,
         optimizer_class=type(optimizer).__name__,
+        leaf_modules=[n for n, m in engine.module.named_modules() if z3_leaf_module(m)],
         group_lrs=[g["lr"] for g in optimizer.param_groups],
         launcher="deepspeed" if "CROSS_RANK" in os.environ else "mpi" if "PMI_RANK" in os.environ else "ranks",
         seconds=time.monotonic() - started,  # for the record (docs), never asserted
