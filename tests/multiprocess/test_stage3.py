@@ -40,7 +40,10 @@ TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt"), ("fp32", "offpara
 # tolerance there, bit for bit in bf16 (its norm and parameters measured identical)
 NOT_BIT_EXACT = {("fp32", "offopt")}
 THREE_RANKS = [("fp32", "persist0")]
-EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt")]
+EVERY = [
+    ("fp32", v)
+    for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt", "tiled", "coalesce")
+]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
 # The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order

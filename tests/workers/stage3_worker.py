@@ -28,7 +28,7 @@ from torch import nn
 
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from tests.helpers.emulated_accelerator import model_device, serve_cases
-from tests.helpers.tiny_gpt import TinyGPT, checkpointed
+from tests.helpers.tiny_gpt import Block, TinyGPT, checkpointed
 from tests.workers.equivalence_worker import param_groups
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 3, 16
@@ -39,8 +39,24 @@ VOCAB, WIDTH = 1024, 160
 # read in its forward; ckpt/dsckpt: every block under torch's checkpoint (use_reentrant=False) or DeepSpeed's;
 # evalnograd: an eval() + no_grad() forward after each step; nosync: engine.no_sync() on the first micro-step;
 # offopt/offparam: ZeRO-Offload of the optimizer / of the parameters (device cpu, pinned), as HF's zero3_offload.json;
-# zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume)
-FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
+# zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume);
+# tiled: each block's MLP through DeepSpeed's TiledMLP, 2 shards (its backward runs once per shard, marking the
+# MLP's parameters ds_grad_is_ready False for the first); coalesce: each step's GAS backwards in one
+# engine.coalesce_grad_reduction() block (gradient_accumulation_steps 1, the boundary set on the last), one step()
+FLAGS = (
+    "persist0",
+    "twice",
+    "root",
+    "ckpt",
+    "dsckpt",
+    "evalnograd",
+    "nosync",
+    "offopt",
+    "offparam",
+    "zerograd",
+    "tiled",
+    "coalesce",
+)
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
@@ -52,7 +68,7 @@ class Stage3GPT(TinyGPT):
     def __init__(self, flags: set[str]) -> None:
         how = next((CHECKPOINT[f] for f in flags if f in CHECKPOINT), None)
         super().__init__(vocab=VOCAB, width=WIDTH, seq=SEQ, checkpointing=how)
-        self.twice = "twice" in flags
+        self.twice, self.tiled = "twice" in flags, "tiled" in flags
         self.root_shift = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02) if "root" in flags else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -62,11 +78,23 @@ class Stage3GPT(TinyGPT):
             x = x + self.root_shift[: tokens.shape[1]]
         blocks = [*self.blocks, self.blocks[-1]] if self.twice else list(self.blocks)
         for block in blocks:
-            x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
+            if self.tiled:
+                x = tiled(block, x)
+            else:
+                x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
         logits = self.head(self.ln_f(x))
         return nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
         )
+
+
+def tiled(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)``, its MLP computed by DeepSpeed's ``TiledMLP`` in 2 shards of the sequence."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # only this flag needs it
+
+    x = block.attend(x)
+    params = [p for module in (block.ln2, block.fc, block.out) for p in module.parameters()]
+    return x + TiledMLP.apply(Block.mlp, block, x, 2, params)
 
 
 def parse(case: str) -> tuple[str, str, set[str]]:
@@ -104,6 +132,8 @@ def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":  # 2**20 overflows the first step: skipped, with the scheduler
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
+    if "coalesce" in flags:  # the block's backwards are one step's; the boundary is set on its last
+        config.update(gradient_accumulation_steps=1, train_batch_size=MICRO_BATCH * world)
     if mode in ("ts", "tsmpi"):
         config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch"}
     return config
@@ -192,6 +222,22 @@ def train(engine, flags: set[str], rank: int) -> dict:
     }
 
 
+def train_coalesced(engine, rank: int) -> dict:
+    """``coalesce``: each step's GAS backwards in one ``engine.coalesce_grad_reduction()`` block, the boundary set
+    on the last, then one ``step()`` (as DeepSpeed's own tests of the block)."""
+    losses, norms = [], []
+    for step in range(STEPS):
+        with engine.coalesce_grad_reduction():
+            for g in range(GAS):
+                loss = engine(batch(rank, step * GAS + g).to(engine.device))
+                engine.set_gradient_accumulation_boundary(g == GAS - 1)
+                engine.backward(loss)
+                losses.append(loss.item())
+        engine.step()
+        norms.append(float(engine.get_global_grad_norm() or 0.0))
+    return {"losses": losses, "norms": norms, "eval_losses": [], "no_sync_refused": None, "resident_after_forward": 0}
+
+
 def gathered(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as users read it at ZeRO-3: inside ``GatheredParameters`` over all of them, fp32 CPU."""
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -209,7 +255,7 @@ def run_case(case: str, out_dir: str) -> None:
         model=model, model_parameters=param_groups(model), config=ds_config(dtype, mode, flags, world)
     )
     built, initial = holdings(engine.module), gathered(engine.module)
-    result = train(engine, flags, rank)
+    result = train_coalesced(engine, rank) if "coalesce" in flags else train(engine, flags, rank)
     result.update(
         built=built,
         trained=holdings(engine.module),
