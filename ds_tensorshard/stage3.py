@@ -145,7 +145,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self.leaf_parameters: defaultdict[torch.nn.Module, list[torch.nn.Parameter]] = defaultdict(list)
         for param in (p for group in self.bit16_groups for p in group):
             if z3_leaf_parameter(param):
-                self.leaf_parameters[param.ds_z3_leaf_module].append(param)
+                self.leaf_parameters[param.ds_z3_leaf_module].append(param)  # type: ignore[attr-defined]
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: Any) -> None:
         """One domain, the data-parallel group's, planned by :func:`plan_parameters` (the parameters' owners)."""
