@@ -72,8 +72,8 @@ class GradientIntake:
         """The hook: in a backward that reduces, hand the gradient to the reducer (which starts complete
         buckets at once); otherwise let it accumulate, in the model or held here. A parameter marked
         ``ds_grad_is_ready = False`` accumulates too: DeepSpeed's tiled computations (``TiledMLP``,
-        ``sequence_tiled_compute``, ``TiledFusedLogitsLoss``) run backward once per shard and mark all but the last, as stock ZeRO reduces
-        only the gradient of the last (the sum)."""
+        ``sequence_tiled_compute``, ``TiledFusedLogitsLoss``) run backward once per shard and mark all but the
+        last, as stock ZeRO reduces only the gradient of the last (the sum)."""
         self.check_caller()
         reducing = self.reduces_now() and getattr(param, "ds_grad_is_ready", True)
         if self.held is not None and (param in self.held or not reducing):
