@@ -1,9 +1,9 @@
-"""``engine.coalesce_grad_reduction()`` (DeepSpeed 0.19.2) on a ds_tensorshard engine, as on stock ZeRO-1/2.
+"""``engine.coalesce_grad_reduction()`` (DeepSpeed 0.19.2) on a ds_tensorshard engine, as on stock ZeRO-1/2/3.
 
 Stock's engine runs the block itself, unchanged here: it checks its preconditions, sets ``inside_no_sync_ctxt`` and
 the optimizer's ``_coalesce_grad_reduction`` for the block, so that every backward inside it leaves its gradients
 local (accumulating in the model; at stage 1 with a wider ``grad_accum_dtype``, held in that dtype), and on exit sets
-the accumulation boundary and calls its ZeRO-1/2 flush. That flush drives stock ZeRO's own buckets; on a
+the accumulation boundary and calls its ZeRO-1/2 or ZeRO-3 flush. That flush drives stock ZeRO's own buckets; on a
 ds_tensorshard engine it is :meth:`CoalesceMethods.flush_coalesced_reduction`: every gradient of the block reduced
 once onto its owner, as one boundary backward's would be. One block is one optimizer step, as in stock.
 
@@ -42,7 +42,7 @@ def stock_refusal(engine: DeepSpeedEngine) -> str | None:
 
 
 class CoalesceMethods:
-    """What stock's ``coalesce_grad_reduction()`` needs of a ZeRO-1/2 optimizer (a mixin of TensorShardOptimizer)."""
+    """What stock's ``coalesce_grad_reduction()`` needs of a ZeRO optimizer (a mixin of TensorShardOptimizer)."""
 
     # set by the engine's coalesce_grad_reduction() for the block: the gradient hooks hand nothing to the reducer
     _coalesce_grad_reduction: bool = False

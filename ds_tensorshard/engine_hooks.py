@@ -12,7 +12,8 @@ DeepSpeed has no optimizer registry, so ``install()`` wraps (idempotently):
 - ``save_checkpoint``, ``load_checkpoint``, ``_load_zero_checkpoint``, ``load_module_state_dict``,
   ``_get_ckpt_name``: see :mod:`.checkpoints.hooks`;
 - ``coalesce_grad_reduction`` (DeepSpeed 0.19.2; absent before): stock's, but refused where stock's would meet
-  BF16_Optimizer; ``_flush_coalesced_reduction_zero12``, its flush: ds_tensorshard's (:mod:`.coalesce`).
+  BF16_Optimizer; ``_flush_coalesced_reduction_zero12`` and ``_flush_coalesced_reduction_zero3``, its flush at
+  stages 1/2 and 3: ds_tensorshard's (:mod:`.coalesce`).
 Engines whose config does not enable the plugin run the stock methods untouched. It also routes
 ``deepspeed.utils.zero_to_fp32`` to ds_tensorshard's converter for ds_tensorshard folders
 (:mod:`.checkpoints.fp32_reader`; stock folders still go to DeepSpeed's code).
@@ -152,13 +153,16 @@ def _wrap_coalesce(original):
 
 
 def _wrap_flush(original):
+    """Stock's flush of a ``coalesce_grad_reduction()`` block (ZeRO-1/2's and ZeRO-3's; each drives stock's own
+    reducer): ds_tensorshard's, one at every stage."""
+
     @functools.wraps(original)
-    def _flush_coalesced_reduction_zero12(self, optimizer):
+    def flush(self, optimizer):
         if _enabled_config(self) is None:
             return original(self, optimizer)
         optimizer.flush_coalesced_reduction()
 
-    return _flush_coalesced_reduction_zero12
+    return flush
 
 
 def _wrap_compile(original):
@@ -190,9 +194,15 @@ _WRAPPERS = {
     "_get_ckpt_name": wrap_get_ckpt_name,
     "coalesce_grad_reduction": _wrap_coalesce,
     "_flush_coalesced_reduction_zero12": _wrap_flush,
+    "_flush_coalesced_reduction_zero3": _wrap_flush,
 }
 # engine methods that older DeepSpeed releases do not have
-_OPTIONAL = {"coalesce_grad_reduction", "_flush_coalesced_reduction_zero12", "compile"}
+_OPTIONAL = {
+    "coalesce_grad_reduction",
+    "_flush_coalesced_reduction_zero12",
+    "_flush_coalesced_reduction_zero3",
+    "compile",
+}
 
 
 def install() -> None:

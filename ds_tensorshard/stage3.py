@@ -13,11 +13,13 @@ An engine without an optimizer (a reference or inference model) has nothing to r
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.utils import z3_leaf_parameter
 
 from ds_tensorshard.checkpoints.experts import every_expert_name, global_names
 from ds_tensorshard.checkpoints.kept import kept_parameters
@@ -155,6 +157,11 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self.save_frozen = True  # the engine's save_checkpoint sets it (False: exclude_frozen_parameters)
         super().__init__(init_optimizer, engine, config)
         self.fp16_groups = self.bit16_groups
+        # stock's: each ZeRO-3 leaf module (deepspeed.utils.set_z3_leaf_modules) -> its trained parameters, as built
+        self.leaf_parameters: defaultdict[torch.nn.Module, list[torch.nn.Parameter]] = defaultdict(list)
+        for param in (p for group in self.bit16_groups for p in group):
+            if z3_leaf_parameter(param):
+                self.leaf_parameters[param.ds_z3_leaf_module].append(param)  # type: ignore[attr-defined]
         # stock's micro_step_id 0: the next backward's gradients replace the kept ones (they add from the second on)
         self.fresh, self._backward_ran = True, False
         # ids of the tensors whose gradients arrived: since the last step, and in any earlier step (ZeRO-Offload)

@@ -70,9 +70,12 @@ class GradientIntake:
     @torch.no_grad()
     def ready(self, param: torch.nn.Parameter) -> None:
         """The hook: in a backward that reduces, hand the gradient to the reducer (which starts complete
-        buckets at once); otherwise let it accumulate, in the model or held here."""
+        buckets at once); otherwise let it accumulate, in the model or held here. A parameter marked
+        ``ds_grad_is_ready = False`` accumulates too: DeepSpeed's tiled computations (``TiledMLP``,
+        ``sequence_tiled_compute``, ``TiledFusedLogitsLoss``) run backward once per shard and mark all but the
+        last, as stock ZeRO reduces only the gradient of the last (the sum)."""
         self.check_caller()
-        reducing = self.reduces_now()
+        reducing = self.reduces_now() and getattr(param, "ds_grad_is_ready", True)
         if self.held is not None and (param in self.held or not reducing):
             assert param.grad is not None, f"{self.names[param]}: hook called without a gradient"
             held = self.held.get(param)

@@ -26,14 +26,22 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
+        return x + self.mlp(x)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention half, with its residual."""
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         attn = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + self.proj((attn @ v).transpose(1, 2).reshape(b, t, c))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half, without its residual (row by row: DeepSpeed's ``TiledMLP`` can shard it)."""
+        return self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 def checkpointed(block: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:

@@ -47,7 +47,10 @@ NOT_BIT_EXACT = {("fp32", "offopt")}
 # branch)
 REFUSED = [("fp32", "offopt+branch")]
 THREE_RANKS = [("fp32", "persist0")]
-EVERY = [("fp32", v) for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt")]
+EVERY = [
+    ("fp32", v)
+    for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt", "tiled", "coalesce")
+]
 EVERY += [("fp32", v) for v in ("zerograd", "stepgrad", "offopt+zerograd+stepgrad")]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]

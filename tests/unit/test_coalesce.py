@@ -1,7 +1,8 @@
 """engine.coalesce_grad_reduction() (DeepSpeed 0.19.2) on a ds_tensorshard engine, in this process (one rank): the
 block's backwards reduce nothing, its exit reduces their sum once, and the step equals the one after the same
 backwards reduced one by one; where stock would use BF16_Optimizer the call is refused as stock refuses it.
-Against stock at 2 and 3 ranks: the ``coalesce_*`` scenarios of tests/multiprocess/test_fidelity.py."""
+Against stock at 2 and 3 ranks: the ``coalesce_*`` scenarios of tests/multiprocess/test_fidelity.py; at stage 3
+the ``coalesce`` case of tests/multiprocess/test_stage3.py (-m extended)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def backwards(engine, coalesced: bool) -> None:
     engine.step()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_block_reduces_the_sum_of_its_backwards_once_at_its_exit(stage):
     engine, optimizer = make(stage)
     inputs = torch.randn(BACKWARDS, 2, 4, generator=torch.Generator().manual_seed(1))
@@ -60,7 +61,7 @@ def test_the_block_reduces_the_sum_of_its_backwards_once_at_its_exit(stage):
     assert engine.global_steps == 1
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_coalesced_step_equals_the_same_backwards_reduced_one_by_one(stage, dtype):
     extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}

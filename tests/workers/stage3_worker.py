@@ -30,7 +30,7 @@ from torch import nn
 import ds_tensorshard  # noqa: F401  (registers the plugin)
 from ds_tensorshard.errors import TensorShardUsageError
 from tests.helpers.emulated_accelerator import model_device, serve_cases
-from tests.helpers.tiny_gpt import TinyGPT, checkpointed
+from tests.helpers.tiny_gpt import Block, TinyGPT, checkpointed
 from tests.workers.equivalence_worker import param_groups
 
 MICRO_BATCH, GAS, STEPS, SEQ = 2, 2, 3, 16
@@ -44,9 +44,12 @@ VOCAB, WIDTH = 1024, 160
 # zerograd: the optimizer's zero_grad() between the micro-steps of each step (as Lightning calls it after a resume);
 # stepgrad: the optimizer's zero_grad() after the backward of each step's last micro-step, before engine.step();
 # branch: two modules run only in some micro-steps (:func:`branches`); frozenleaf: a ZeRO-3 leaf module
-# (deepspeed.utils.set_z3_leaf_modules) whose parameters are all frozen, after the blocks
+# (deepspeed.utils.set_z3_leaf_modules) whose parameters are all frozen, after the blocks;
+# tiled: each block's MLP through DeepSpeed's TiledMLP, 2 shards (its backward runs once per shard, marking the
+# MLP's parameters ds_grad_is_ready False for the first); coalesce: each step's GAS backwards in one
+# engine.coalesce_grad_reduction() block (gradient_accumulation_steps 1, the boundary set on the last), one step()
 FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
-FLAGS += ("stepgrad", "branch", "frozenleaf")
+FLAGS += ("stepgrad", "branch", "frozenleaf", "tiled", "coalesce")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
@@ -70,7 +73,7 @@ class Stage3GPT(TinyGPT):
     def __init__(self, flags: set[str]) -> None:
         how = next((CHECKPOINT[f] for f in flags if f in CHECKPOINT), None)
         super().__init__(vocab=VOCAB, width=WIDTH, seq=SEQ, checkpointing=how)
-        self.twice = "twice" in flags
+        self.twice, self.tiled = "twice" in flags, "tiled" in flags
         self.root_shift = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02) if "root" in flags else None
         self.early_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
         self.late_branch = nn.Linear(WIDTH, WIDTH) if "branch" in flags else None
@@ -86,7 +89,10 @@ class Stage3GPT(TinyGPT):
             x = x + self.root_shift[: tokens.shape[1]]
         blocks = [*self.blocks, self.blocks[-1]] if self.twice else list(self.blocks)
         for block in blocks:
-            x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
+            if self.tiled:
+                x = tiled(block, x)
+            else:
+                x = block(x) if self.checkpointing is None else checkpointed(block, x, self.checkpointing)
         for name in sorted(self.branches):
             x = x + getattr(self, f"{name}_branch")(x)
         if self.frozen_leaf is not None:
@@ -95,6 +101,15 @@ class Stage3GPT(TinyGPT):
         return nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
         )
+
+
+def tiled(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)``, its MLP computed by DeepSpeed's ``TiledMLP`` in 2 shards of the sequence."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # only this flag needs it
+
+    x = block.attend(x)
+    params = [p for module in (block.ln2, block.fc, block.out) for p in module.parameters()]
+    return x + TiledMLP.apply(Block.mlp, block, x, 2, params)
 
 
 def parse(case: str) -> tuple[str, str, set[str]]:
@@ -132,6 +147,8 @@ def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":  # 2**20 overflows the first step: skipped, with the scheduler
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
+    if "coalesce" in flags:  # the block's backwards are one step's; the boundary is set on its last
+        config.update(gradient_accumulation_steps=1, train_batch_size=MICRO_BATCH * world)
     if mode in ("ts", "tsmpi"):
         config["tensorshard"] = {"enabled": True, "comm_backend": "mpi" if mode == "tsmpi" else "torch"}
     return config
@@ -238,6 +255,22 @@ def train(engine, flags: set[str], rank: int) -> dict:
     }
 
 
+def train_coalesced(engine, rank: int) -> dict:
+    """``coalesce``: each step's GAS backwards in one ``engine.coalesce_grad_reduction()`` block, the boundary set
+    on the last, then one ``step()`` (as DeepSpeed's own tests of the block)."""
+    losses, norms = [], []
+    for step in range(STEPS):
+        with engine.coalesce_grad_reduction():
+            for g in range(GAS):
+                loss = engine(batch(rank, step * GAS + g).to(engine.device))
+                engine.set_gradient_accumulation_boundary(g == GAS - 1)
+                engine.backward(loss)
+                losses.append(loss.item())
+        engine.step()
+        norms.append(float(engine.get_global_grad_norm() or 0.0))
+    return {"losses": losses, "norms": norms, "eval_losses": [], "no_sync_refused": None, "resident_after_forward": 0}
+
+
 def gathered(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as users read it at ZeRO-3: inside ``GatheredParameters`` over all of them, fp32 CPU."""
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -255,7 +288,7 @@ def run_case(case: str, out_dir: str) -> None:
         model=model, model_parameters=param_groups(model), config=ds_config(dtype, mode, flags, world)
     )
     built, initial = holdings(engine.module), gathered(engine.module)
-    result = train(engine, flags, rank)
+    result = train_coalesced(engine, rank) if "coalesce" in flags else train(engine, flags, rank)
     result.update(
         built=built,
         trained=holdings(engine.module),
