@@ -91,7 +91,8 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str, tree: str | 
         raise SystemExit("ds-tensorshard bench launches its ranks with mpiexec: pip install 'ds_tensorshard[mpi]'")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    if tree is not None:
+    raw_dir = os.path.abspath(raw_dir)
+    if tree is not None:  # its workers run in the tree: ``python -m`` looks in the working directory first
         env["PYTHONPATH"] = os.path.abspath(tree)
         raw_dir = os.path.join(raw_dir, "baseline")
         os.makedirs(raw_dir, exist_ok=True)
@@ -111,7 +112,13 @@ def run_config(config: str, args: argparse.Namespace, raw_dir: str, tree: str | 
         if getattr(args, name) is not None:
             cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        env=env,
+        cwd=None if tree is None else os.path.abspath(tree),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )  # its ranks die with it: see kill_group
     try:
         out, err = proc.communicate(timeout=args.timeout)

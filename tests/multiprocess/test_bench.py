@@ -2,6 +2,7 @@
 costs more than the default tier allows, trains as stock does: -m extended, with the LoRA-like model); a bench
 killed mid-way leaves no process behind."""
 
+import argparse
 import json
 import os
 import signal
@@ -251,3 +252,24 @@ def test_bench_stage3_rows_train_as_stock_zero3_in_alternating_rounds(tmp_path):
     assert len(list((tmp_path / "raw" / "round2").glob("*.json"))) == 2 * len(configs)
     table = (tmp_path / "results.md").read_text()
     assert "ds_tensorshard stage 3 (mpi)" in table and "2 alternating rounds" in table and "Step s of each" in table
+
+
+def test_baseline_rows_run_the_workers_of_the_baseline_tree(tmp_path, monkeypatch):
+    """``--baseline TREE``: the baseline's ranks import ds_tensorshard from TREE, also when the command runs in this
+    tree (whose ``python -m`` would otherwise find its own package first): a stub worker there records its file."""
+    from ds_tensorshard.bench.configs import RUN_ARGUMENTS
+    from ds_tensorshard.bench.runner import run_config
+
+    worker = tmp_path / "tree" / "ds_tensorshard" / "bench" / "worker.py"
+    worker.parent.mkdir(parents=True)
+    for package in (worker.parent.parent, worker.parent):
+        (package / "__init__.py").write_text("")
+    worker.write_text(
+        "import json, os, sys\n"
+        "out = os.path.join(sys.argv[2], sys.argv[1] + '.rank0.json')\n"
+        "json.dump({'worker': os.path.abspath(__file__)}, open(out, 'w'))\n"
+    )
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # this tree
+    args = argparse.Namespace(ranks=1, timeout=120, **dict.fromkeys(RUN_ARGUMENTS))
+    ranks = run_config("ts_torch", args, str(tmp_path / "raw"), str(tmp_path / "tree"))
+    assert ranks == [{"worker": str(worker)}]
