@@ -32,6 +32,7 @@ class InstantComm:
     def __init__(self, world_size: int) -> None:
         self.rank, self.world_size = 0, world_size
         self.global_ranks, self.timeout_s, self.name = list(range(world_size)), float("inf"), "instant"
+        self.broadcasts_by_owner = True
         self.device = torch.device("cpu")
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:

@@ -96,7 +96,8 @@ def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport)
     ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner
     (``layout.summed``: one all-reduce, the rest of the buffer -0.0). Where this rank's span is one tensor it owns
     whole where it computes, and the batch goes by broadcasts, that tensor is broadcast as it is: nothing copied
-    (the gathered parameter is that tensor on this rank, the span is never read)."""
+    (the gathered parameter is that tensor on this rank, the span is never read), where the transport lets an owner
+    broadcast its span from elsewhere (``broadcasts_by_owner``)."""
     if layout.summed:
         flat = torch.full((layout.numel,), -0.0, dtype=params[0].dtype, device=comm.device)
     else:
@@ -106,7 +107,8 @@ def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport)
         sources = [params[index].ds_tensor.view(-1) for index, _ in layout.mine]
         first = layout.mine[0][1]
         span = flat[first : first + sum(s.numel() for s in sources)]
-        if len(sources) == 1 and not layout.summed and _sendable_as_is(params[layout.mine[0][0]], sources[0], flat):
+        as_is = not layout.summed and comm.broadcasts_by_owner
+        if len(sources) == 1 and as_is and _sendable_as_is(params[layout.mine[0][0]], sources[0], flat):
             own = sources[0]
         elif len(sources) == 1:
             span.copy_(sources[0])

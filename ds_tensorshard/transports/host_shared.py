@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 
 from ds_tensorshard.errors import CollectiveTimeout
-from ds_tensorshard.transports.protocol import Pending, Span, Transport, all_of
+from ds_tensorshard.transports.protocol import Pending, Span, Transport
 
 SHM_DIR = "/dev/shm"
 ALIGN = 4096  # bytes: a half's start (any dtype's alignment)
@@ -115,6 +115,7 @@ class HostSharedComm:
         self.rank, self.world_size, self.global_ranks = inner.rank, inner.world_size, inner.global_ranks
         self.timeout_s, self.device = inner.timeout_s, inner.device
         self.name = f"{inner.name} + shared memory"
+        self.broadcasts_by_owner = False  # a bucket's spans in one exchange
         self._tick = torch.zeros(1, device=inner.device)
         self._index = 0
         self._failed: Exception | None = None
@@ -175,11 +176,14 @@ class HostSharedComm:
         return self._exchange(flat, others, read, what)
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        """One exchange per owner: to the other ranks the same as a :meth:`start_broadcast` of each span (which the
-        gather of an owner's whole tensor sends from the tensor itself)."""
-        out = flat.view(-1)
-        pending = [self.start_broadcast(out[offset : offset + numel], owner) for owner, offset, numel in spans]
-        return all_of(pending, flat)
+        def read(halves: list[torch.Tensor]) -> None:
+            out = flat.view(-1)
+            for owner, offset, numel in spans:
+                if owner != self.rank:
+                    out[offset : offset + numel].copy_(halves[owner][offset : offset + numel])
+
+        mine = [span for span in spans if span[0] == self.rank]
+        return self._exchange(flat, mine, read, "broadcast from rank " + ", ".join(str(o) for o, _, _ in spans))
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         return self.start_reduce_segments(flat, [(rank, rank * slot, slot) for rank in range(self.world_size)])

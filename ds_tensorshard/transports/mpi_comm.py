@@ -107,6 +107,7 @@ class MpiComm:
         self.cuda_aware = _cuda_aware()
         self.timeout_s = timeout_s
         self.name = "mpi"
+        self.broadcasts_by_owner = True
 
     def _wait(self, request, what: str) -> None:
         """Drive ``request`` to completion, or raise CollectiveTimeout after ``timeout_s`` (MPI has no timed wait)."""

@@ -76,6 +76,9 @@ class Transport(Protocol):
     name: str
     device: torch.device
     """Where the tensors of its collectives live: the engine's device (NCCL takes nothing else)."""
+    broadcasts_by_owner: bool
+    """Whether :meth:`start_broadcast_segments` is, to the other ranks, one :meth:`start_broadcast` of each span in
+    order, so that an owner may send its span from a tensor of its own (the stage-3 gather does, where it can)."""
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         """Start summing ``tensor`` over ranks into rank ``owner``'s ``tensor`` (others' are left undefined)."""
@@ -87,8 +90,7 @@ class Transport(Protocol):
         """Start summing each span of ``flat`` over ranks into its owner's ``flat`` (the rest left undefined)."""
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
-        """Start copying each span of its owner's ``flat`` into every rank's ``flat``; to the other ranks the same
-        as a :meth:`start_broadcast` of each span, in order (an owner may send its span from another tensor)."""
+        """Start copying each span of its owner's ``flat`` into every rank's ``flat``."""
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         """Start summing ``flat`` (``world_size x slot`` elements) over ranks into this rank's slot of ``flat``,

@@ -41,6 +41,7 @@ class TorchComm:
         self.global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.timeout_s = timeout_s
         self.name = f"torch ({tdist.get_backend(group)})"
+        self.broadcasts_by_owner = True
         self.watchdog = None if self.device.type == "cpu" else Watchdog(self)
 
     def _pending(self, work: Any, what: str, *keep_alive: Any) -> Pending:

@@ -25,6 +25,7 @@ class PeerComm:
     what the other rank broadcasts is ``broadcast_value`` everywhere."""
 
     world_size, global_ranks, timeout_s, name, device = 2, [0, 1], 1.0, "peer", torch.device("cpu")
+    broadcasts_by_owner = True
 
     def __init__(self, rank: int = 0, peer_factor: float = 3.0, broadcast_value: float = -1.0) -> None:
         self.rank, self.peer_factor, self.broadcast_value = rank, peer_factor, broadcast_value
