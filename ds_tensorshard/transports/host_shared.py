@@ -9,7 +9,9 @@ in turn, so one barrier per collective suffices: a rank writes a half again only
 barrier, that is, has finished reading it. Sums run in rank order, so an all-reduce gives every rank the same bits.
 
 :func:`on_one_host` decides, the same way on every rank, whether the lane is taken: every rank of the group on this
-host (the same boot, network namespace and /dev/shm) with room in /dev/shm; otherwise the inner transport alone.
+host (the same boot, network namespace and /dev/shm) with a writable /dev/shm; otherwise the inner transport alone.
+The boxes are reserved when made (at the first collective, and where a larger one grows them): a /dev/shm without
+room for them is refused on every rank, naming the key to turn the lane off.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import NoReturn
 
 import torch
 
-from ds_tensorshard.errors import CollectiveTimeout
+from ds_tensorshard.errors import CollectiveTimeout, TensorShardUsageError
 from ds_tensorshard.transports.protocol import Pending, Span, Transport
 
 SHM_DIR = "/dev/shm"
@@ -81,11 +83,19 @@ class Boxes:
         self.generation += 1
         name = f"{self.prefix}_{self.generation}_{{}}"
         fd = os.open(name.format(self.comm.rank), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, 2 * capacity)
+        try:  # reserved now: a full /dev/shm fails here, on every rank, not as a SIGBUS at a later write
+            os.posix_fallocate(fd, 0, 2 * capacity)
+            room = 1.0
+        except OSError:
+            room = 0.0
         finally:
             os.close(fd)
-        self.barrier()  # every box of this generation exists
+        if _agreed(self.comm, room) < self.comm.world_size:  # else every box of this generation exists
+            os.unlink(name.format(self.comm.rank))
+            raise TensorShardUsageError(
+                f"ds_tensorshard: {SHM_DIR} has no room for the shared-memory lane's boxes ({self.comm.world_size} x "
+                f"{2 * capacity:,} bytes); enlarge it (docker: --shm-size) or set 'tensorshard.shared_memory': false"
+            )
         maps = []
         for rank in range(self.comm.world_size):
             fd = os.open(name.format(rank), os.O_RDWR)

@@ -10,6 +10,7 @@ import deepspeed
 import torch
 
 from ds_tensorshard.config.schema import TensorShardConfig
+from ds_tensorshard.errors import TensorShardUsageError
 from ds_tensorshard.transports import host_shared, open_transport
 from ds_tensorshard.transports.host_shared import FIRST_CAPACITY, HostSharedComm
 from ds_tensorshard.transports.torch_comm import TorchComm
@@ -85,6 +86,18 @@ assert comm.boxes.capacity > FIRST_CAPACITY
 check(3, 1000, torch.float32)  # after the growth
 comm._barrier()
 assert not glob.glob(comm.boxes.prefix + "_*"), "a box's name was left in /dev/shm"
+
+if rank == n - 1:  # no room in /dev/shm on one rank: every rank says so, naming the key, at the wait
+    host_shared.os.posix_fallocate = lambda fd, offset, size: (_ for _ in ()).throw(OSError(28, "No space left"))
+full = open_transport(TensorShardConfig(enabled=True, timeout_s=60.0), None, cpu)
+pending = full.start_all_reduce(torch.ones(8))
+try:
+    pending.wait()
+    raise AssertionError("a full /dev/shm went unnoticed")
+except TensorShardUsageError as err:
+    assert "'tensorshard.shared_memory': false" in str(err), err
+full._barrier()  # every rank past its refusal
+assert not glob.glob(full.boxes.prefix + "_*"), "a box's name was left in /dev/shm"
 
 plain = open_transport(TensorShardConfig(enabled=True, shared_memory=False), None, cpu)
 assert isinstance(plain, TorchComm), plain.name
