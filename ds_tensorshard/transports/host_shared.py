@@ -9,7 +9,8 @@ in turn, so one barrier per collective suffices: a rank writes a half again only
 barrier, that is, has finished reading it. Sums run in rank order, so an all-reduce gives every rank the same bits.
 
 :func:`on_one_host` decides, the same way on every rank, whether the lane is taken: every rank of the group on this
-host (the same boot, network namespace and /dev/shm) with a writable /dev/shm; otherwise the inner transport alone.
+host (the same boot, network namespace and /dev/shm) with /dev/shm writable and room there for every rank's first
+box (a container's small /dev/shm keeps the transport); otherwise the inner transport alone.
 The boxes are reserved when made (at the first collective, and where a larger one grows them): a /dev/shm without
 room for them is refused on every rank, naming the key to turn the lane off.
 """
@@ -49,13 +50,15 @@ def _agreed(comm: Transport, value: float) -> float:
 
 
 def on_one_host(comm: Transport) -> bool:
-    """Whether every rank of ``comm``'s group is on this host with a usable /dev/shm (every rank gets the same
-    answer)."""
+    """Whether every rank of ``comm``'s group is on this host with a usable /dev/shm: writable, with room for every
+    rank's first box (every rank gets the same answer)."""
     if comm.device.type != "cpu" or comm.world_size < 2:
         return False
     try:
         key = _host_key()
-        usable = os.access(SHM_DIR, os.W_OK)
+        free = os.statvfs(SHM_DIR)
+        room = free.f_bavail * free.f_frsize >= comm.world_size * 2 * FIRST_CAPACITY  # every rank's first box
+        usable = os.access(SHM_DIR, os.W_OK) and room
     except OSError:
         key, usable = f"unknown-{os.getpid()}-{os.urandom(8).hex()}", False
     digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:3], "big") >> 3  # squares x 2**11 ranks < 2**53

@@ -101,6 +101,13 @@ assert not glob.glob(full.boxes.prefix + "_*"), "a box's name was left in /dev/s
 
 plain = open_transport(TensorShardConfig(enabled=True, shared_memory=False), None, cpu)
 assert isinstance(plain, TorchComm), plain.name
+if rank == n - 1:  # too little room in /dev/shm on one rank: no rank takes the lane
+    real_statvfs = host_shared.os.statvfs
+    host_shared.os.statvfs = lambda path: type("Small", (), {"f_bavail": 1, "f_frsize": 4096})()
+assert not host_shared.on_one_host(plain)
+if rank == n - 1:
+    host_shared.os.statvfs = real_statvfs
+assert host_shared.on_one_host(plain)
 if rank == n - 1:  # one rank elsewhere: no rank takes the lane
     host_shared._host_key = lambda: "another host"
 assert not host_shared.on_one_host(plain)
