@@ -171,12 +171,7 @@ class HostSharedComm:
         return self.start_reduce_segments(tensor, [(owner, 0, tensor.numel())])
 
     def start_broadcast(self, tensor: torch.Tensor, owner: int) -> Pending:
-        def read(halves: list[torch.Tensor]) -> None:
-            if owner != self.rank:
-                tensor.view(-1).copy_(halves[owner])
-
-        mine = [(owner, 0, tensor.numel())] if owner == self.rank else []
-        return self._exchange(tensor, mine, read, f"broadcast from rank {owner}")
+        return self._broadcast(tensor, [(owner, 0, tensor.numel())], f"broadcast from rank {owner}")
 
     def start_reduce_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
         def read(halves: list[torch.Tensor]) -> None:
@@ -189,27 +184,25 @@ class HostSharedComm:
         return self._exchange(flat, others, read, what)
 
     def start_broadcast_segments(self, flat: torch.Tensor, spans: Sequence[Span]) -> Pending:
+        return self._broadcast(flat, spans, "broadcast from rank " + ", ".join(str(o) for o, _, _ in spans))
+
+    def _broadcast(self, flat: torch.Tensor, spans: Sequence[Span], what: str) -> Pending:
+        """Each span of its owner's ``flat`` into every rank's ``flat``, in one exchange."""
+
         def read(halves: list[torch.Tensor]) -> None:
             out = flat.view(-1)
             for owner, offset, numel in spans:
                 if owner != self.rank:
                     out[offset : offset + numel].copy_(halves[owner][offset : offset + numel])
 
-        mine = [span for span in spans if span[0] == self.rank]
-        return self._exchange(flat, mine, read, "broadcast from rank " + ", ".join(str(o) for o, _, _ in spans))
+        return self._exchange(flat, [span for span in spans if span[0] == self.rank], read, what)
 
     def start_reduce_scatter(self, flat: torch.Tensor, slot: int) -> Pending:
         return self.start_reduce_segments(flat, [(rank, rank * slot, slot) for rank in range(self.world_size)])
 
     def start_all_gather(self, flat: torch.Tensor, slot: int) -> Pending:
-        def read(halves: list[torch.Tensor]) -> None:
-            out = flat.view(-1)
-            for rank in range(self.world_size):
-                if rank != self.rank:
-                    out[rank * slot : (rank + 1) * slot].copy_(halves[rank][rank * slot : (rank + 1) * slot])
-
-        mine = [(self.rank, self.rank * slot, slot)]
-        return self._exchange(flat, mine, read, f"all-gather of {self.world_size} slots")
+        slots = [(rank, rank * slot, slot) for rank in range(self.world_size)]
+        return self._broadcast(flat, slots, f"all-gather of {self.world_size} slots")
 
     def start_all_reduce(self, flat: torch.Tensor) -> Pending:
         def read(halves: list[torch.Tensor]) -> None:
