@@ -205,7 +205,8 @@ def default_report(
             "flat_padding_bytes": (flat_numel - sum(numels)) * element_bytes if flat_numel else 0,
             "why": choice.why,
         },
-        "default_on_cpu": {t: measured_on_cpu(t, n) for t in ("torch", "mpi")} | {"bucket_numel": DEFAULT_BUCKET_NUMEL},
+        "default_on_cpu": {t: measured_on_cpu(t, n) for t in ("torch", "mpi")}
+        | {"one_host": "flat", "bucket_numel": DEFAULT_BUCKET_NUMEL},
         "stock_zero2_defaults": asdict(stock),
     }
 
@@ -250,8 +251,8 @@ def _communication_lines(comm: dict[str, Any]) -> list[str]:
         f"{stock['launches']:,} collectives, {stock['seconds'] * 1e3:,.1f} ms); padding {mb(chosen['padding_bytes'])} "
         f"in the most padded stripe's buffer, {mb(chosen['padding_bytes_per_step'])} per step",
         f"      why: {chosen['why']}",
-        f"    default on CPU ranks (measured): {cpu['torch']} on torch (gloo), {cpu['mpi']} on mpi, "
-        f"{cpu['bucket_numel']:,}-element buckets",
+        f"    default on CPU ranks: {cpu['one_host']} through shared memory where they share one host, else "
+        f"(measured) {cpu['torch']} on torch (gloo), {cpu['mpi']} on mpi; {cpu['bucket_numel']:,}-element buckets",
     ]
     return lines
 

@@ -32,7 +32,8 @@ class TensorShardConfig(BaseModel):
     shared_memory: bool = True
     """Where every rank of a group is on one host and the ranks are CPU ranks, the data path's collectives go
     through shared memory (/dev/shm): each rank writes its
-    part, meets the others at a barrier of ``comm_backend`` and reads theirs. ``false``: through ``comm_backend``
+    part, meets the others at a barrier of ``comm_backend`` and reads theirs, and flat parameters (``bucket_layout``)
+    live in one storage they all map. ``false``: through ``comm_backend``
     alone. Accelerators and ranks on several hosts always take ``comm_backend``."""
 
     split_tensors: Literal["auto", "never"] = "auto"
@@ -59,9 +60,10 @@ class TensorShardConfig(BaseModel):
     reduce-scatter and one all-gather (or all-reduces where faster) whatever the world size; ``"flat"``: the
     tensors laid end to end in model order in one storage of n equal slots, rank ``r`` owning slot ``r`` (a
     tensor across a slot boundary split there), the parameters views of it: gradients reduced by stripes, the
-    parameters gathered by one collective of the storage in place, as stock; ``"auto"``: on CPU ranks the layout
-    measured faster there, in 4,000,000-element buckets (windows on torch/gloo; on mpi windows below 4 ranks,
-    stripes from 4); on accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload,
+    parameters gathered by one collective of the storage in place, as stock; ``"auto"``: on CPU ranks of one host
+    through shared memory (``shared_memory``) flat where nothing in the run rules it out (below), the storage one
+    segment every rank maps, so the gather is a barrier; other CPU ranks the layout measured faster there (windows
+    on torch/gloo; on mpi windows below 4 ranks, stripes from 4); both in 4,000,000-element buckets; on accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload,
     MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor parallelism,
     initialize_many), else stripes, sized by the cost model: the most buckets predicted within 0.9x stock
     ZeRO-2's communication at its defaults, each within its 5e8-element bucket; a bucket size the config sets is

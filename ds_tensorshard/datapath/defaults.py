@@ -57,6 +57,7 @@ from ds_tensorshard.datapath.cost_model import (
     tensorshard_stripes_cost,
 )
 from ds_tensorshard.datapath.shapes import numel_of
+from ds_tensorshard.transports.host_shared import HostSharedComm
 
 if TYPE_CHECKING:
     from ds_tensorshard.datapath.domains import Domain
@@ -74,6 +75,10 @@ STRIPES_ON_CPU_FROM: dict[str, int | None] = {"torch": None, "mpi": 4}
 ALL_REDUCE_ON_CPU_BELOW: dict[str, tuple[float, int]] = {"torch": (math.inf, 3), "mpi": (0, 0)}
 Layout = Literal["windows", "stripes", "flat"]
 FLAT_WHY = "flat: the parameters laid in one storage (an accelerator, and nothing in the run rules it out)"
+FLAT_SHARED_WHY = (
+    "flat: the parameters laid in one storage that the ranks of this host share (CPU ranks through shared memory, "
+    "and nothing in the run rules it out)"
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,12 @@ class StripeRoutes:
 
     @classmethod
     def for_wire(cls, wire: Wire, world_size: int) -> StripeRoutes:
-        """CPU ranks: as measured (:data:`ALL_REDUCE_ON_CPU_BELOW`); accelerators: by the cost model on its default
-        network (:func:`~ds_tensorshard.datapath.cost_model.all_reduce_below`, the same size both ways)."""
+        """CPU ranks: as measured (:data:`ALL_REDUCE_ON_CPU_BELOW`), but through shared memory never (there a
+        reduce-scatter and an all-gather copy each byte once, an all-reduce every rank's whole stripe); accelerators:
+        by the cost model on its default network (:func:`~ds_tensorshard.datapath.cost_model.all_reduce_below`, the
+        same size both ways)."""
+        if wire.shared_memory:
+            return cls()
         if wire.on_cpu:
             reduce_ranks, gather_ranks = ALL_REDUCE_ON_CPU_BELOW[wire.comm_backend]
             return cls(math.inf if world_size < reduce_ranks else 0.0, math.inf if world_size < gather_ranks else 0.0)
@@ -143,11 +152,13 @@ class LayoutChoice:
 @dataclass(frozen=True)
 class Wire:
     """Where the buckets travel: ``comm_backend``, the transport's name (``"torch (nccl)"``, ``"mpi"``), whether
-    the ranks are CPUs."""
+    the ranks are CPUs, whether they share memory."""
 
     comm_backend: str
     transport: str
     on_cpu: bool
+    shared_memory: bool = False
+    """CPU ranks of one host through the shared-memory lane (:mod:`~ds_tensorshard.transports.host_shared`)."""
 
 
 # where ``ds-tensorshard plan`` prices the default a run on an accelerator would take
@@ -174,7 +185,7 @@ def layout_for(
     for param in domain.params:
         for block in domain.plan.blocks_of(param):
             owned[block.rank] += block.numel
-    wire = Wire(config.comm_backend, domain.comm.name, on_cpu)
+    wire = Wire(config.comm_backend, domain.comm.name, on_cpu, isinstance(domain.comm, HostSharedComm))
     numels, flat_numel = [numel_of(p) for p in domain.params], domain.plan.flat_slot * domain.comm.world_size
     return choose_layout(config, param_dict, wire, numels, owned, dtype.itemsize, flat_numel)
 
@@ -199,7 +210,7 @@ def choose_layout(
     choice = functools.partial(_routed, wire=wire, world_size=n)
     if flat_numel:
         given = f"{size_key} {size:,} set in the config" if size is not None else ""
-        why = "bucket_layout set in the config" if layout else FLAT_WHY
+        why = "bucket_layout set in the config" if layout else FLAT_SHARED_WHY if wire.shared_memory else FLAT_WHY
         if size is None and wire.on_cpu:  # asked for on CPU ranks: the bucket size measured there
             size = DEFAULT_BUCKET_NUMEL
         elif size is None:
@@ -239,7 +250,10 @@ def _routed(
         return LayoutChoice(layout, bucket_numel, why)
     priced = None if routes is None else (world_size, routes)
     routes = routes or StripeRoutes.for_wire(wire, world_size)
-    return LayoutChoice(layout, bucket_numel, f"{why}; {routes.describe(layout == 'flat')}", wire, priced)
+    how = routes.describe(layout == "flat")
+    if layout == "flat" and wire.shared_memory:
+        how = "reduced by reduce-scatter, the flat parameter storage shared (its gather a barrier)"
+    return LayoutChoice(layout, bucket_numel, f"{why}; {how}", wire, priced)
 
 
 def route_candidates(n: int) -> list[StripeRoutes]:

@@ -11,6 +11,7 @@ rank 0 plans expert 0's tensors over ranks {0, 2}, the dense domain every other 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,12 +92,13 @@ def open_domains(
     config: TensorShardConfig,
     device: torch.device,
     joint: OwnershipPlan | None,
-    flat: bool = False,
+    flat: Callable[[Transport], bool] = lambda comm: False,
 ) -> dict[str, Domain]:
     """One domain per process group, each planned over its own group's ranks (``joint``: the plan of
     :func:`~ds_tensorshard.initialize_many`): the dense tensors' first, then each expert group's, in the same
-    order on every rank. ``group_domains``: each param group's domain (:func:`domain_names`). ``flat``: the dense
-    tensors in a flat plan, laid in one storage (only without expert groups: :func:`flat_refusal`)."""
+    order on every rank. ``group_domains``: each param group's domain (:func:`domain_names`). ``flat``: whether,
+    given its transport, the dense tensors go in a flat plan, laid in one storage (only without expert groups:
+    :func:`~ds_tensorshard.datapath.flat_choice.flat_refusal`)."""
     if joint is not None and set(group_domains) != {DENSE}:
         raise TensorShardConfigError(
             "initialize_many with a mixture-of-experts model: a joint plan covers the data-parallel group only, "
@@ -112,7 +114,7 @@ def open_domains(
         comm = open_transport(config, process_group_of(name, data_parallel_group), device)
         in_domain = {p for group, d in zip(optimizer.param_groups, group_domains) if d == name for p in group["params"]}
         members = [p for p in params if p in in_domain]
-        if flat:
+        if flat(comm):
             shapes = [(names[p], tuple(p.shape)) for p in members]
             plan = plan_flat(shapes, comm.world_size, {id(p): names[p] for p in members})
             domains[name] = Domain(name, comm, members, plan, FlatParameters(members, plan, comm))

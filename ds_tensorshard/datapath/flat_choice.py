@@ -1,17 +1,19 @@
 """Whether a run lays its dense parameters flat (``bucket_layout: "flat"``, :mod:`.flat_parameters`): asked for,
-or by ``"auto"`` on accelerators at more than one rank, where nothing in the run keeps it from it."""
+or by ``"auto"`` at more than one rank on accelerators or on CPU ranks of one host (the shared-memory lane), where
+nothing in the run keeps it from it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_tensorshard.datapath.inner_optimizer import whole_matrix_params
 from ds_tensorshard.errors import TensorShardConfigError
+from ds_tensorshard.transports.host_shared import HostSharedComm
+from ds_tensorshard.transports.protocol import Transport
 
 if TYPE_CHECKING:
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -53,22 +55,25 @@ def flat_wanted(
     expert_groups: bool,
     joint: object | None,
     config: TensorShardConfig,
-) -> bool:
-    """Whether this engine's dense parameters are laid flat (:func:`lays_flat` of what :func:`flat_refusal` finds),
-    over its data-parallel group."""
+) -> Callable[[Transport], bool]:
+    """Whether this engine's dense parameters are laid flat, given the transport of its data-parallel group
+    (:func:`lays_flat` of what :func:`flat_refusal` finds)."""
     refusal = flat_refusal(engine, optimizer, params, expert_groups, joint is not None, config.split_tensors)
-    world_size = dist.get_world_size(group=engine.seq_data_parallel_group)
-    return lays_flat(config, engine.device.type == "cpu", world_size, refusal)
+    on_cpu = engine.device.type == "cpu"
+    return lambda comm: lays_flat(config, on_cpu, comm.world_size, refusal, isinstance(comm, HostSharedComm))
 
 
-def lays_flat(config: TensorShardConfig, on_cpu: bool, world_size: int, refusal: str | None) -> bool:
+def lays_flat(
+    config: TensorShardConfig, on_cpu: bool, world_size: int, refusal: str | None, shared_memory: bool = False
+) -> bool:
     """``bucket_layout: "flat"`` (refused, naming why, where ``refusal`` says something keeps the run from it); or
-    ``"auto"`` on an accelerator at more than one rank where nothing does. CPU ranks keep the layouts measured
-    there (:func:`~ds_tensorshard.datapath.defaults.measured_on_cpu`)."""
+    ``"auto"`` at more than one rank where nothing does, on an accelerator or on CPU ranks that share memory
+    (``shared_memory``: the lane is taken, so the storage is shared and its gather a barrier). Other CPU ranks keep
+    the layouts measured there (:func:`~ds_tensorshard.datapath.defaults.measured_on_cpu`)."""
     if config.bucket_layout == "flat":
         if refusal is not None:
             raise TensorShardConfigError(
                 f"'tensorshard.bucket_layout': 'flat' with {refusal} is not supported; use 'stripes' or 'windows'"
             )
         return True
-    return config.bucket_layout == "auto" and not on_cpu and world_size > 1 and refusal is None
+    return config.bucket_layout == "auto" and (shared_memory or not on_cpu) and world_size > 1 and refusal is None

@@ -94,7 +94,7 @@ def wait_with_deadline(done: Callable[[], bool], timeout_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
-        pause = min(2 * pause + 1e-5, 1e-3)
+        pause = min(2 * pause + 1e-5, 1e-4)
     return True
 
 

@@ -66,6 +66,37 @@ def on_one_host(comm: Transport) -> bool:
     return _agreed(comm, float(same and usable)) == comm.world_size
 
 
+def reserve(comm: Transport, path: str | None, nbytes: int, what: str) -> None:
+    """``path`` made on this rank with ``nbytes`` reserved (None: nothing made here), agreed by every rank of
+    ``comm``: where any rank lacks the room, each removes what it made and the lane is refused, naming its key. A
+    full /dev/shm fails here, on every rank, not as a SIGBUS at a later write."""
+    room = 1.0
+    if path is not None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            room = 0.0
+        finally:
+            os.close(fd)
+    if _agreed(comm, room) < comm.world_size:
+        if path is not None:
+            os.unlink(path)
+        raise TensorShardUsageError(
+            f"ds_tensorshard: {SHM_DIR} has no room for {what}; enlarge it (docker: --shm-size) or set "
+            "'tensorshard.shared_memory': false"
+        )
+
+
+def mapped(path: str, nbytes: int) -> mmap.mmap:
+    """The first ``nbytes`` of the file at ``path``, mapped shared."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 class Boxes:
     """This rank's box and its peers', each of two halves of ``capacity`` bytes, in /dev/shm."""
 
@@ -85,27 +116,9 @@ class Boxes:
         capacity = max(FIRST_CAPACITY, -(-nbytes // ALIGN) * ALIGN)
         self.generation += 1
         name = f"{self.prefix}_{self.generation}_{{}}"
-        fd = os.open(name.format(self.comm.rank), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:  # reserved now: a full /dev/shm fails here, on every rank, not as a SIGBUS at a later write
-            os.posix_fallocate(fd, 0, 2 * capacity)
-            room = 1.0
-        except OSError:
-            room = 0.0
-        finally:
-            os.close(fd)
-        if _agreed(self.comm, room) < self.comm.world_size:  # else every box of this generation exists
-            os.unlink(name.format(self.comm.rank))
-            raise TensorShardUsageError(
-                f"ds_tensorshard: {SHM_DIR} has no room for the shared-memory lane's boxes ({self.comm.world_size} x "
-                f"{2 * capacity:,} bytes); enlarge it (docker: --shm-size) or set 'tensorshard.shared_memory': false"
-            )
-        maps = []
-        for rank in range(self.comm.world_size):
-            fd = os.open(name.format(rank), os.O_RDWR)
-            try:
-                maps.append(mmap.mmap(fd, 2 * capacity))
-            finally:
-                os.close(fd)
+        what = f"the shared-memory lane's boxes ({self.comm.world_size} x {2 * capacity:,} bytes)"
+        reserve(self.comm, name.format(self.comm.rank), 2 * capacity, what)
+        maps = [mapped(name.format(rank), 2 * capacity) for rank in range(self.comm.world_size)]
         self.barrier()  # every rank has mapped every box: the names can go
         os.unlink(name.format(self.comm.rank))
         self.views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
@@ -130,7 +143,7 @@ class HostSharedComm:
         self.name = f"{inner.name} + shared memory"
         self.broadcasts_by_owner = False  # a bucket's spans in one exchange
         self._tick = torch.zeros(1, device=inner.device)
-        self._index = 0
+        self._index, self._segments = 0, 0
         self._failed: Exception | None = None
         self.boxes = Boxes(inner, self._barrier)
 
@@ -142,23 +155,54 @@ class HostSharedComm:
     ) -> Pending:
         """Write ``write``'s spans of ``flat`` into this rank's half, meet at the barrier, then ``read`` from
         every rank's half (laid out as ``flat``); ``what`` names the collective for a deadline."""
-        if self._failed is None:
-            flat = flat.view(-1)
-            try:
-                self.boxes.ensure(flat.numel() * flat.dtype.itemsize)
-                index, self._index = self._index, self._index + 1
-                halves = [self.boxes.half(rank, index, flat.dtype, flat.numel()) for rank in range(self.world_size)]
-                for _, offset, numel in write:
-                    halves[self.rank][offset : offset + numel].copy_(flat[offset : offset + numel])
-                self._barrier()
-            except CollectiveTimeout:
-                self._failed = CollectiveTimeout(f"{what} through shared memory")
-            except RuntimeError as err:  # a lost peer: the data path's wait names it
-                self._failed = err
-        if self._failed is not None:
-            return Pending(functools.partial(_raise, self._failed))
+        flat = flat.view(-1)
+        halves: list[torch.Tensor] = []
+
+        def send() -> None:
+            self.boxes.ensure(flat.numel() * flat.dtype.itemsize)
+            index, self._index = self._index, self._index + 1
+            halves.extend(self.boxes.half(rank, index, flat.dtype, flat.numel()) for rank in range(self.world_size))
+            for _, offset, numel in write:
+                halves[self.rank][offset : offset + numel].copy_(flat[offset : offset + numel])
+            self._barrier()
+
+        failed = self._failure(send, what)
+        if failed is not None:
+            return failed
         read(halves)
         return Pending(lambda: None)
+
+    def _failure(self, meet: Callable[[], None], what: str) -> Pending | None:
+        """None where ``meet`` (which ends at the barrier) got every rank there; else a collective that raises, at
+        its wait, the failure kept for every later collective too: its deadline (named by ``what``), or a lost peer
+        (the data path's wait names it)."""
+        if self._failed is None:
+            try:
+                meet()
+            except CollectiveTimeout:
+                self._failed = CollectiveTimeout(f"{what} through shared memory")
+            except RuntimeError as err:
+                self._failed = err
+        return None if self._failed is None else Pending(functools.partial(_raise, self._failed))
+
+    def start_meet(self, what: str) -> Pending:
+        """Every rank at the barrier: what a rank wrote into :meth:`shared_storage` before it, every rank reads
+        after it."""
+        return self._failure(self._barrier, what) or Pending(lambda: None)
+
+    def shared_storage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` zeros of ``dtype`` in one /dev/shm segment that every rank of the group maps: what one rank
+        writes there, every rank reads after the next :meth:`start_meet` (flat parameters keep their storage
+        there, :mod:`~ds_tensorshard.datapath.flat_parameters`). Unlinked once mapped, as the boxes are."""
+        nbytes = max(numel * dtype.itemsize, 1)
+        self._segments += 1
+        path = f"{self.boxes.prefix}_storage_{self._segments}"
+        reserve(self.inner, path if self.rank == 0 else None, nbytes, f"a shared storage of {nbytes:,} bytes")
+        segment = mapped(path, nbytes)
+        self._barrier()  # every rank has mapped it
+        if self.rank == 0:
+            os.unlink(path)
+        return torch.frombuffer(segment, dtype=torch.uint8)[: numel * dtype.itemsize].view(dtype)
 
     def _sum_into(self, flat: torch.Tensor, halves: list[torch.Tensor], offset: int, numel: int) -> None:
         """``flat[offset:offset+numel]`` summed with every other rank's, in rank order after this rank's."""

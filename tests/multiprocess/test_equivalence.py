@@ -81,16 +81,16 @@ def test_stripes_match_stock(world):
 
 
 def test_flat_parameters_match_stock(world):
-    """``bucket_layout: "flat"``: a flat plan, every trained parameter a view of one storage, reduced by stripes and
-    gathered by one collective over the storage in place (at 2 ranks on gloo an all-reduce, from 3 an all-gather);
-    the same training as stock (bit for bit at 2 ranks)."""
+    """``bucket_layout: "flat"``: a flat plan, every trained parameter a view of one storage, reduced by stripes;
+    through the shared-memory lane the storage is one segment every rank maps, so each owner's update is every
+    rank's and the gather a barrier; the same training as stock (bit for bit at 2 ranks)."""
     n, load = world
     for case in FLAT_CASES:
         dtype, _, stage = case.split(":")
         for rank in range(n):
             ours, stock = load(case, rank), load(f"{dtype}:stock:{stage}", rank)
             assert ours["layout"] == "flat" and ours["in_flat_storage"] == len(ours["blocks"]) == 29, case
-            assert all(ours["slots"]) and ours["flat_by_all_reduce"] == (n == 2), case
+            assert all(ours["slots"]) and not ours["flat_by_all_reduce"] and ours["flat_shared"], case
             assert sum(len(b) > 1 for b in ours["blocks"].values()) in range(1, n), case  # split at slot boundaries
             assert_run_matches(ours, stock, dtype, f"{case} vs stock rank {rank}")
             if n == 2:
@@ -225,14 +225,14 @@ def test_on_emulated_cuda_the_same_training_as_on_the_cpu(tmp_path, equivalence_
 def test_on_emulated_cuda_flat_parameters_train_as_on_the_cpu(tmp_path, equivalence_runs):
     """Flat parameters on an accelerator: the storage on the device, the parameters views of it, the gather one
     all-gather in place (NCCL's: the input this rank's slot of the storage itself, no copy; the cost model's route at
-    2 ranks), and bit for bit the CPU run (which at 2 ranks on gloo gathers by all-reduce)."""
+    2 ranks), and bit for bit the CPU run (whose storage is shared through the shared-memory lane)."""
     run_ranks([os.path.join(WORKERS, "equivalence_worker.py"), str(tmp_path), *FLAT_CASES], 2, env=EMULATED)
     cpu = equivalence_runs(2)
     for case in FLAT_CASES:
         for rank in range(2):
             ours, reference = torch.load(tmp_path / f"{case.replace(':', '_')}.rank{rank}.pt"), cpu(case, rank)
             assert ours["in_flat_storage"] == reference["in_flat_storage"] == 29, case
-            assert (ours["flat_by_all_reduce"], reference["flat_by_all_reduce"]) == (False, True), case
+            assert (ours["flat_by_all_reduce"], ours["flat_shared"], reference["flat_shared"]) == (False, False, True)
             assert (ours["losses"], ours["norms"]) == (reference["losses"], reference["norms"]), case
             assert all(torch.equal(ours["params"][k], v) for k, v in reference["params"].items()), case
             assert ours["master_devices"] == [f"cuda:{rank}"], case

@@ -179,7 +179,7 @@ def test_plan_reports_the_communication_both_ways(capsys):
     assert chosen["largest_buffer"] == chosen["bucket_numel"] <= 500_000_000
     assert 0 <= chosen["padding_bytes"] <= chosen["padding_bytes_per_step"] and chosen["why"].startswith("flat")
     assert 0 <= chosen["flat_padding_bytes"] < 2 * 2 * 8  # the storage's tail: under 2 x world-size elements
-    assert comm["default_on_cpu"]["bucket_numel"] == 4_000_000
+    assert comm["default_on_cpu"]["bucket_numel"] == 4_000_000 and comm["default_on_cpu"]["one_host"] == "flat"
     per_owner = comm["tensorshard_per_owner"]["seconds"]
     assert comm["per_owner_time_ratio"] == pytest.approx(per_owner / comm["stock_zero2"]["seconds"])
     assert cli_main(["plan", "--world-size", "8", "--network", "fast"]) == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_tensorshard.config.schema import TensorShardConfig
-from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, FLAT_WHY, Wire, choose_layout
+from ds_tensorshard.datapath.defaults import DEFAULT_BUCKET_NUMEL, FLAT_SHARED_WHY, FLAT_WHY, Wire, choose_layout
 from ds_tensorshard.datapath.flat_choice import flat_refusal, lays_flat
 from ds_tensorshard.datapath.flat_parameters import FlatParameters
 from ds_tensorshard.datapath.flat_plan import plan_flat
@@ -75,10 +75,12 @@ def test_a_gather_by_all_reduce_leaves_minus_zero_in_the_other_slots():
     assert torch.equal(flat.storage[10:].abs(), torch.zeros(10)) and bool(torch.signbit(flat.storage[10:]).all())
 
 
-def test_auto_lays_flat_on_accelerators_only_where_nothing_rules_it_out():
+def test_auto_lays_flat_on_accelerators_and_shared_memory_only_where_nothing_rules_it_out():
     auto, flat = TensorShardConfig(), TensorShardConfig(bucket_layout="flat")
     assert lays_flat(auto, on_cpu=False, world_size=8, refusal=None)
     assert not lays_flat(auto, on_cpu=True, world_size=8, refusal=None)  # CPU ranks: the layouts measured there
+    assert lays_flat(auto, on_cpu=True, world_size=2, refusal=None, shared_memory=True)  # one storage they share
+    assert not lays_flat(auto, on_cpu=True, world_size=2, refusal="ZeRO-Offload", shared_memory=True)
     assert not lays_flat(auto, on_cpu=False, world_size=1, refusal=None)
     assert not lays_flat(auto, on_cpu=False, world_size=8, refusal="ZeRO-Offload")
     assert not lays_flat(TensorShardConfig(bucket_layout="stripes"), on_cpu=False, world_size=8, refusal=None)
@@ -148,3 +150,14 @@ def test_each_thing_that_rules_flat_out_is_named():
     assert refusal(_Engine(mpu=object())).startswith("pipeline or tensor parallelism")
     mixed = [params[0], torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
     assert refusal(optimizer=torch.optim.AdamW(mixed), tensors=mixed).startswith("trained parameters of more than one")
+
+
+def test_flat_through_shared_memory_reduces_by_reduce_scatter_and_shares_the_storage():
+    numels, owned = [6 * 10**6] * 4, [12 * 10**6] * 2
+    lane = Wire("torch", "torch (gloo) + shared memory", on_cpu=True, shared_memory=True)
+    chosen = choose_layout(TensorShardConfig(), {}, lane, numels, owned, 4, 24 * 10**6)
+    assert (chosen.layout, chosen.bucket_numel) == ("flat", DEFAULT_BUCKET_NUMEL)
+    assert chosen.why.startswith(FLAT_SHARED_WHY) and chosen.why.endswith("shared (its gather a barrier)")
+    assert chosen.routes(2).of(10**9) == (False, False)  # gloo alone all-reduces stripes at 2 ranks
+    gloo = Wire("torch", "torch (gloo)", on_cpu=True)
+    assert choose_layout(TensorShardConfig(bucket_layout="stripes"), {}, gloo, numels, owned, 4).routes(2).of(1)[0]

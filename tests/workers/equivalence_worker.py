@@ -142,6 +142,7 @@ def run_case(case: str, out_dir: str) -> None:
                 "layout": optimizer.layout.layout,
                 "in_flat_storage": in_flat_storage(optimizer),
                 "flat_by_all_reduce": getattr(optimizer.domains["data_parallel"].flat, "by_all_reduce", None),
+                "flat_shared": getattr(optimizer.domains["data_parallel"].flat, "lane", None) is not None,
                 "first_embedding_bucket": next(
                     i for i, b in enumerate(optimizer.buckets) if any(p is engine.module.wte.weight for p in b.params)
                 ),

@@ -1,7 +1,7 @@
 """Each collective of the shared-memory lane on real ranks, against the result computed here in the lane's
 documented order (an owner's value, then the others' in rank order; an all-reduce in rank order), with a box
-grown past its first size and two collectives started before either is waited for; then which transport
-``open_transport`` gives. Prints ``OK`` on success."""
+grown past its first size and two collectives started before either is waited for; one storage every rank maps,
+and flat parameters laid in it; then which transport ``open_transport`` gives. Prints ``OK`` on success."""
 
 import glob
 import hashlib
@@ -10,6 +10,8 @@ import deepspeed
 import torch
 
 from ds_tensorshard.config.schema import TensorShardConfig
+from ds_tensorshard.datapath.flat_parameters import FlatParameters
+from ds_tensorshard.datapath.flat_plan import plan_flat
 from ds_tensorshard.errors import TensorShardUsageError
 from ds_tensorshard.transports import host_shared, open_transport
 from ds_tensorshard.transports.host_shared import FIRST_CAPACITY, HostSharedComm
@@ -86,6 +88,40 @@ assert comm.boxes.capacity > FIRST_CAPACITY
 check(3, 1000, torch.float32)  # after the growth
 comm._barrier()
 assert not glob.glob(comm.boxes.prefix + "_*"), "a box's name was left in /dev/shm"
+comm._barrier()  # every rank has looked before rank 0 makes the next name
+
+# one storage every rank maps: what a rank writes in its slot, every rank reads after the next meeting
+storage = comm.shared_storage(n * 1000 + 3, torch.float32)
+assert not storage.any() and storage.numel() == n * 1000 + 3
+comm._barrier()  # every rank has looked before any writes
+storage[rank * 1000 : (rank + 1) * 1000] = rank + 1
+comm.start_meet("the test's meeting").wait()
+assert torch.equal(storage[: n * 1000], torch.arange(1, n + 1, dtype=torch.float32).repeat_interleave(1000))
+
+# flat parameters laid there: rank 0's values laid once; each owner's change in its slot seen by every rank at the
+# gather (a barrier, nothing copied); moved out of shared memory, the lane's all-gather brings the slots instead
+torch.manual_seed(0)  # every rank the same values, as the engine's broadcast leaves them
+params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (11,), (4, 4)]]
+values = [p.detach().clone() for p in params]
+names = {id(p): f"p{i}" for i, p in enumerate(params)}
+plan = plan_flat([(names[id(p)], tuple(p.shape)) for p in params], n, names)
+flat = FlatParameters(params, plan, comm)
+assert flat.lane is comm and all(torch.equal(p.data, v) for p, v in zip(params, values))
+comm._barrier()  # every rank has looked before any writes (as the step's norm all-reduce orders updates)
+expected = torch.cat([v.view(-1) for v in values])
+for moved in (False, True):
+    if moved:
+        flat.move(lambda t: t.clone())
+        assert flat.lane is None
+    mine = slice(rank * plan.flat_slot, (rank + 1) * plan.flat_slot)
+    with torch.no_grad():
+        flat.storage[mine] += 1.0
+    flat.start_gather().wait()
+    expected += 1.0
+    assert torch.equal(torch.cat([p.data.view(-1) for p in params]), expected), (rank, moved)
+    comm._barrier()  # every rank has looked before any writes again
+comm._barrier()
+assert not glob.glob(comm.boxes.prefix + "_*"), "a shared storage's name was left in /dev/shm"
 
 if rank == n - 1:  # no room in /dev/shm on one rank: every rank says so, naming the key, at the wait
     host_shared.os.posix_fallocate = lambda fd, offset, size: (_ for _ in ()).throw(OSError(28, "No space left"))

@@ -30,6 +30,8 @@ config = {
     "zero_optimization": {"stage": 2},
     "tensorshard": {"enabled": True, "comm_backend": args.comm_backend},
 }
+if args.one_tensor:  # whole tensors, so that the other ranks own nothing (flat parameters split at slot boundaries)
+    config["tensorshard"]["bucket_layout"] = "windows"
 if args.no_block:
     del config["tensorshard"]
 deepspeed.init_distributed(dist_backend="gloo", distributed_port=args.port)
