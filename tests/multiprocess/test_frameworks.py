@@ -40,6 +40,10 @@ BIN = os.path.dirname(sys.executable)
 CPU_SITE = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "helpers", "cpu_site"), ROOT])}
 RESUME_RANKS, RESUME_ACCUM = 3, 2  # 2 ranks x 3 accumulation = 3 ranks x 2: the same 12 samples per step
 FP32_LOSS, FP32_PARAM = ACROSS_WORLDS["fp32"]["loss"], ACROSS_WORLDS["fp32"]["param"]  # compare.py
+# The key bias has no true gradient (softmax ignores a shift of every score of a row): in another summation order
+# its rounding noise goes through Adam into small steps of its own (Lightning resumed on 4 ranks, flat parameters:
+# 1.02e-5 at one element, every other element within 6.5e-6): held to 1e-4, as compare.py's ``loose``
+KEY_BIAS = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,14 +61,14 @@ def assert_same_run(ours: dict, reference: dict, where: str, steps=None) -> tupl
     assert ours["params"].keys() == reference["params"].keys(), where
     param = 0.0
     for name, value in reference["params"].items():
-        torch.testing.assert_close(
-            ours["params"][name],
-            value,
-            rtol=FP32_PARAM,
-            atol=FP32_PARAM,
-            msg=lambda m, name=name: f"{where} {name}: {m}",
-        )
-        param = max(param, float((ours["params"][name] - value).abs().max()))
+        mine, close = ours["params"][name], functools.partial(torch.testing.assert_close, rtol=FP32_PARAM)
+        if name.endswith("attn.c_attn.bias"):  # GPT-2's query, key, value biases: the key's held apart
+            width = value.numel() // 3
+            key = slice(width, 2 * width)
+            close(mine[key], value[key], rtol=0.0, atol=KEY_BIAS, msg=lambda m, name=name: f"{where} {name}: {m}")
+            mine, value = torch.cat([mine[:width], mine[2 * width :]]), torch.cat([value[:width], value[2 * width :]])
+        close(mine, value, atol=FP32_PARAM, msg=lambda m, name=name: f"{where} {name}: {m}")
+        param = max(param, float((mine - value).abs().max()))
     record(where, loss, param)
     return loss, param
 
