@@ -63,8 +63,8 @@ class TensorShardConfig(BaseModel):
     parameters gathered by one collective of the storage in place, as stock; ``"auto"``: on CPU ranks of one host
     through shared memory (``shared_memory``) flat where nothing in the run rules it out (below), the storage one
     segment every rank maps, so the gather is a barrier; other CPU ranks the layout measured faster there (windows
-    on torch/gloo; on mpi windows below 4 ranks, stripes from 4); both in 4,000,000-element buckets; on accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload,
-    MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor parallelism,
+    on torch/gloo; on mpi windows below 4 ranks, stripes from 4); both in 4,000,000-element buckets; on
+    accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload, MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor parallelism,
     initialize_many), else stripes, sized by the cost model: the most buckets predicted within 0.9x stock
     ZeRO-2's communication at its defaults, each within its 5e8-element bucket; a bucket size the config sets is
     kept. Rank 0's start-up line says what was chosen and why."""
