@@ -54,20 +54,20 @@ class TensorShardConfig(BaseModel):
     flat on accelerators)."""
 
     bucket_layout: Literal["auto", "windows", "stripes", "flat"] = "auto"
-    """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner
-    (as ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of
-    every rank's owned tensors, each rank's in its slot (padded to the fullest), and moves with one
-    reduce-scatter and one all-gather (or all-reduces where faster) whatever the world size; ``"flat"``: the
-    tensors laid end to end in model order in one storage of n equal slots, rank ``r`` owning slot ``r`` (a
-    tensor across a slot boundary split there), the parameters views of it: gradients reduced by stripes, the
-    parameters gathered by one collective of the storage in place, as stock; ``"auto"``: on CPU ranks of one host
-    through shared memory (``shared_memory``) flat where nothing in the run rules it out (below), the storage one
-    segment every rank maps, so the gather is a barrier; other CPU ranks the layout measured faster there (windows
-    on torch/gloo; on mpi windows below 4 ranks, stripes from 4); both in 4,000,000-element buckets; on
-    accelerators (NCCL and the like) flat where nothing in the run rules it out (ZeRO-Offload, MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor parallelism,
-    initialize_many), else stripes, sized by the cost model: the most buckets predicted within 0.9x stock
-    ZeRO-2's communication at its defaults, each within its 5e8-element bucket; a bucket size the config sets is
-    kept. Rank 0's start-up line says what was chosen and why."""
+    """``"windows"``: a bucket is ``bucket_numel`` consecutive elements of the gradient stream, moved by owner (as
+    ``comm_backend`` says); ``"stripes"``: bucket ``k`` holds the ``k``-th ``bucket_numel / n`` elements of every rank's
+    owned tensors, each rank's in its slot (padded to the fullest), and moves with one reduce-scatter and one all-gather
+    (or all-reduces where faster) whatever the world size; ``"flat"``: the tensors laid end to end in model order in one
+    storage of n equal slots, rank ``r`` owning slot ``r`` (a tensor across a slot boundary split there), the parameters
+    views of it: gradients reduced by stripes, the parameters gathered by one collective of the storage in place, as
+    stock; ``"auto"``: on CPU ranks of one host through shared memory (``shared_memory``) flat where nothing in the run
+    rules it out (below), the storage one segment every rank maps, so the gather is a barrier; other CPU ranks the
+    layout measured faster there (windows on torch/gloo; on mpi windows below 4 ranks, stripes from 4); both in
+    4,000,000-element buckets; on accelerators (NCCL and the like) flat where nothing in the run rules it out
+    (ZeRO-Offload, MoE expert groups, whole-matrix optimizers, ``split_tensors: "never"``, pipeline or tensor
+    parallelism, initialize_many), else stripes, sized by the cost model: the most buckets predicted within 0.9x stock
+    ZeRO-2's communication at its defaults, each within its 5e8-element bucket; a bucket size the config sets is kept.
+    Rank 0's start-up line says what was chosen and why."""
 
 
 def parse_block(param_dict: Mapping[str, Any]) -> TensorShardConfig:
