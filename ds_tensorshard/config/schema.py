@@ -30,11 +30,10 @@ class TensorShardConfig(BaseModel):
     owner on mpi, one reduce to and one broadcast from each owner on torch: nothing is padded."""
 
     shared_memory: bool = True
-    """Where every rank of a group is on one host and the ranks are CPU ranks, the data path's collectives go
-    through shared memory (/dev/shm): each rank writes its
-    part, meets the others at a barrier of ``comm_backend`` and reads theirs, and flat parameters (``bucket_layout``)
-    live in one storage they all map. ``false``: through ``comm_backend``
-    alone. Accelerators and ranks on several hosts always take ``comm_backend``."""
+    """Where every rank of a group is on one host and the ranks are CPU ranks, the data path's collectives go through
+    shared memory (/dev/shm): each rank writes its part, meets the others at a barrier of ``comm_backend`` and reads
+    theirs, and flat parameters (``bucket_layout``) live in one storage they all map where /dev/shm has room for it.
+    ``false``: through ``comm_backend`` alone. Accelerators and ranks on several hosts always take ``comm_backend``."""
 
     split_tensors: Literal["auto", "never"] = "auto"
     """``"auto"``: a tensor too large to fit whole within a rank's share (the whole-tensor plan's fullest

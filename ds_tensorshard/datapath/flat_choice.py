@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ds_tensorshard.datapath.flat_parameters import shared_lane
 from ds_tensorshard.datapath.inner_optimizer import whole_matrix_params
 from ds_tensorshard.errors import TensorShardConfigError
-from ds_tensorshard.transports.host_shared import HostSharedComm
 from ds_tensorshard.transports.protocol import Transport
 
 if TYPE_CHECKING:
@@ -57,10 +57,16 @@ def flat_wanted(
     config: TensorShardConfig,
 ) -> Callable[[Transport], bool]:
     """Whether this engine's dense parameters are laid flat, given the transport of its data-parallel group
-    (:func:`lays_flat` of what :func:`flat_refusal` finds)."""
+    (:func:`lays_flat` of what :func:`flat_refusal` finds; shared memory where the lane is taken with room in
+    /dev/shm for the parameters)."""
     refusal = flat_refusal(engine, optimizer, params, expert_groups, joint is not None, config.split_tensors)
-    on_cpu = engine.device.type == "cpu"
-    return lambda comm: lays_flat(config, on_cpu, comm.world_size, refusal, isinstance(comm, HostSharedComm))
+    on_cpu, nbytes = engine.device.type == "cpu", sum(p.numel() * p.element_size() for p in params)
+
+    def wanted(comm: Transport) -> bool:
+        shares = on_cpu and config.bucket_layout == "auto" and shared_lane(comm, nbytes) is not None
+        return lays_flat(config, on_cpu, comm.world_size, refusal, shares)
+
+    return wanted
 
 
 def lays_flat(

@@ -16,18 +16,24 @@ from ds_tensorshard.transports.host_shared import HostSharedComm
 from ds_tensorshard.transports.protocol import Pending, Transport
 
 
+def shared_lane(comm: Transport, nbytes: int) -> HostSharedComm | None:
+    """``comm`` where it is the shared-memory lane and /dev/shm has room for a storage of ``nbytes`` on every rank
+    (a container's small /dev/shm keeps the storage in each rank's memory); else None."""
+    return comm if isinstance(comm, HostSharedComm) and comm.has_room(nbytes) else None
+
+
 class FlatParameters:
     """The storage and the parameters laid in it (each ``.data`` a view at its plan offset; the padding zeros).
-    Through the shared-memory lane the storage is the group's one shared segment (``lane``), filled by rank 0,
-    whose values every rank has (the engine broadcast them)."""
+    Through the shared-memory lane, with room in /dev/shm, the storage is the group's one shared segment (``lane``),
+    filled by rank 0, whose values every rank has (the engine broadcast them)."""
 
     def __init__(self, params: list[torch.nn.Parameter], plan: OwnershipPlan, comm: Transport) -> None:
         self.params, self.comm, self.slot = params, comm, plan.flat_slot
         self.offsets = [plan.flat_offsets[plan.name_of(param)] for param in params]
         self.ids = {id(param) for param in params}
         self.by_all_reduce = False  # set with the layout: gathered as one all-reduce (StripeRoutes), not an all-gather
-        self.lane = comm if isinstance(comm, HostSharedComm) else None
         first, numel = params[0], comm.world_size * self.slot
+        self.lane = shared_lane(comm, numel * first.element_size())
         if self.lane is not None:
             self.storage = self.lane.shared_storage(numel, first.dtype)
         else:

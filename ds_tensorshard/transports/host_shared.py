@@ -190,6 +190,11 @@ class HostSharedComm:
         after it."""
         return self._failure(self._barrier, what) or Pending(lambda: None)
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether /dev/shm has room for ``nbytes`` more on every rank (the same answer on every rank)."""
+        free = os.statvfs(SHM_DIR)
+        return _agreed(self.inner, float(free.f_bavail * free.f_frsize >= nbytes)) == self.world_size
+
     def shared_storage(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` zeros of ``dtype`` in one /dev/shm segment that every rank of the group maps: what one rank
         writes there, every rank reads after the next :meth:`start_meet` (flat parameters keep their storage
