@@ -162,8 +162,9 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         for param in (p for group in self.bit16_groups for p in group):
             if z3_leaf_parameter(param):
                 self.leaf_parameters[param.ds_z3_leaf_module].append(param)  # type: ignore[attr-defined]
-        # stock's micro_step_id 0: the next backward's gradients replace the kept ones (they add from the second on)
-        self.fresh, self._backward_ran = True, False
+        # as stock's: the backwards since the step (counted at the next forward); at 0 the next backward's gradients
+        # replace the kept ones, from the second on they add
+        self.micro_step_id, self._backward_ran = 0, False
         # ids of the tensors whose gradients arrived: since the last step, and in any earlier step (ZeRO-Offload)
         self._arrived: set[int] = set()
         self._arrived_before: set[int] = set()
@@ -173,7 +174,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         """``deliver``, first clearing the kept gradients of the tensors a fresh backward brought (stock's copy)."""
 
         def deliver_replacing(bucket: Any, segment: torch.Tensor) -> None:
-            if self.fresh:
+            if self.micro_step_id == 0:
                 owned = bucket.segment_of(self.comm.rank)
                 self.shard.grads.restart(owned, lambda param: id(param) in self.reducer.seen)
             deliver(bucket, segment)
@@ -186,9 +187,9 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self._backward_ran = True
 
     def clear_backward_seen_flag(self) -> None:
-        """At each forward: after a backward, its gradients are added to (stock's micro_step_id moves on here)."""
+        """At each forward: after a backward, its gradients are added to (``micro_step_id`` moves on, as stock's)."""
         if self._backward_ran:
-            self.fresh = False
+            self.micro_step_id, self._backward_ran = self.micro_step_id + 1, False
         super().clear_backward_seen_flag()
 
     def _plan_tensors(self, engine: DeepSpeedEngine, config: TensorShardConfig, joint: Any) -> None:
@@ -222,7 +223,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         self._arrived_before |= self._arrived
         self._arrived = set()
         super().step(closure)
-        self.fresh, self._backward_ran = True, False
+        self.micro_step_id, self._backward_ran = 0, False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As at stages 1/2; the gradients the owners have reduced stay, and the next backward's replace those of
@@ -230,7 +231,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         gradient partitions it reaches, and a tensor it does not reach keeps its gradient). Lightning calls it
         between micro-steps when resumed from a checkpoint saved at an epoch's end."""
         super().zero_grad(set_to_none)
-        self.fresh, self._backward_ran = True, False
+        self.micro_step_id, self._backward_ran = 0, False
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

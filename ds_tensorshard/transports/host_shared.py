@@ -6,7 +6,8 @@ own box, meets every rank at a barrier (the inner transport's one-element all-re
 the others' parts from their boxes: one copy in and one out, where gloo moves every byte through the kernel's loopback
 twice (and reduce-scatters by all-reducing). Each collective completes before it returns. A box has two halves used
 in turn, so one barrier per collective suffices: a rank writes a half again only after every rank has passed a later
-barrier, that is, has finished reading it. Sums run in rank order, so an all-reduce gives every rank the same bits.
+barrier, that is, has finished reading it. Sums run in rank order, so an all-reduce gives every rank the same bits
+and a reduction the same bits whichever rank owns it.
 
 :func:`on_one_host` decides, the same way on every rank, whether the lane is taken: every rank of the group on this
 host (the same boot, network namespace and /dev/shm) with /dev/shm writable and room there for every rank's first
@@ -210,11 +211,18 @@ class HostSharedComm:
         return torch.frombuffer(segment, dtype=torch.uint8)[: numel * dtype.itemsize].view(dtype)
 
     def _sum_into(self, flat: torch.Tensor, halves: list[torch.Tensor], offset: int, numel: int) -> None:
-        """``flat[offset:offset+numel]`` summed with every other rank's, in rank order after this rank's."""
+        """``flat[offset:offset+numel]`` summed over the ranks in rank order (this rank's part from ``flat``, the
+        others' from their halves): the same bits whichever rank owns it, and an all-reduce's."""
         out = flat.view(-1)[offset : offset + numel]
-        for rank in range(self.world_size):
-            if rank != self.rank:
-                out.add_(halves[rank][offset : offset + numel])
+        parts = [out if rank == self.rank else halves[rank][offset : offset + numel] for rank in range(self.world_size)]
+        if self.rank == 0:
+            for part in parts[1:]:
+                out.add_(part)
+            return
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
+            total.add_(part)
+        out.copy_(total)
 
     def start_reduce(self, tensor: torch.Tensor, owner: int) -> Pending:
         return self.start_reduce_segments(tensor, [(owner, 0, tensor.numel())])

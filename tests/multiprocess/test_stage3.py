@@ -58,6 +58,10 @@ MPI_TWO_RANKS = [("fp32", "persist0")]
 # its rounding noise goes through Adam into small steps of its own (stock ZeRO-3 against ZeRO-2 at 2 ranks:
 # 5.9e-6, where every other tensor is within 4.9e-6 relative): held to 1e-4 in fp32, as compare.py's ``loose``
 KEY_BIAS = {f"blocks.{i}.qkv.bias": 1e-4 for i in (0, 1)}
+# At 3 ranks the sums run in another order: ds_tensorshard's in rank order (the shared-memory lane), stock ZeRO-3's
+# in gloo's ring. Measured on every case of EVERY: up to 1.05e-5 in fp32 (one element of 102,400, the tiled case)
+# and 2.01e-3 in fp16 (one element, about one fp16 ulp at |w| >= 2), beyond compare.py's tolerances: held to 2x
+ANOTHER_ORDER = {"fp32": 2e-5, "fp16": 4e-3}
 MEMORY_BOUND = 1.10  # the fullest rank's parameters, outside forward, over model/n (issue 46)
 
 
@@ -113,12 +117,16 @@ def stage3_runs(tmp_path_factory):
     return runs
 
 
-def assert_same_training(ours: dict, stock: dict, dtype: str, where: str, exact: bool) -> None:
+def assert_same_training(
+    ours: dict, stock: dict, dtype: str, where: str, exact: bool, atol: float | None = None
+) -> None:
     """Losses, grad norms, skipped steps, eval losses, the no_sync refusal, the groups' learning rates and every
-    gathered parameter as stock's (``exact``: bit for bit, the norms within 2 fp32 ulps)."""
+    gathered parameter as stock's (``exact``: bit for bit, the norms within 2 fp32 ulps; ``atol``: every parameter
+    within it instead of the dtype's tolerance)."""
     assert stock["optimizer_class"] == "DeepSpeedZeroOptimizer_Stage3", where
     assert ours["optimizer_class"] != stock["optimizer_class"], f"{where}: stock's own optimizer ran"
-    assert_run_matches(ours, stock, dtype, where, KEY_BIAS if dtype == "fp32" else None)
+    loose = dict.fromkeys(stock["params"], atol) if atol else KEY_BIAS if dtype == "fp32" else None
+    assert_run_matches(ours, stock, dtype, where, loose)
     assert ours["no_sync_refused"] == stock["no_sync_refused"], where
     assert ours["group_lrs"] == stock["group_lrs"], where  # WarmupLR's per-group peaks
     torch.testing.assert_close(
@@ -133,15 +141,16 @@ def assert_same_training(ours: dict, stock: dict, dtype: str, where: str, exact:
             )
 
 
-def assert_pairs(load, n: int, specs, mode: str = "ts", stock_load=None) -> None:
+def assert_pairs(load, n: int, specs, mode: str = "ts", stock_load=None, atols: dict | None = None) -> None:
     """Each (dtype, variant) of ``specs`` in ``mode`` trains as stock on every rank (``stock_load``: stock's runs
-    where another launch made them)."""
+    where another launch made them; ``atols``: per dtype, every parameter within it)."""
     for dtype, variant in specs:
         for rank in range(n):
             ours = load(case(dtype, mode, variant), rank)
             stock = (stock_load or load)(case(dtype, "stock", variant), rank)
             exact = n == 2 and (dtype, variant) not in NOT_BIT_EXACT
-            assert_same_training(ours, stock, dtype, f"{case(dtype, mode, variant)} rank {rank}", exact)
+            where = f"{case(dtype, mode, variant)} rank {rank}"
+            assert_same_training(ours, stock, dtype, where, exact, (atols or {}).get(dtype))
 
 
 def test_two_ranks_train_as_stock_zero3(stage3_runs):
@@ -267,9 +276,15 @@ def test_every_case_trains_as_stock_zero3(tmp_path, n):
         "incompatible with gradient partitioning logic of ZeRO stage 3"
         in load("fp32:stock:nosync", 0)["no_sync_refused"]
     )
-    assert_pairs(load, n, EVERY)
+    atols = ANOTHER_ORDER if n == 3 else None
+    assert_pairs(load, n, EVERY, atols=atols)
     mpi = launch(tmp_path / "mpi", n, [case(d, "tsmpi", v) for d, v in EVERY], "mpi")
-    assert_pairs(mpi, n, EVERY, "tsmpi", load)
+    assert_pairs(mpi, n, EVERY, "tsmpi", load, atols)
+    for dtype, variant in EVERY:  # both transports sum through the shared-memory lane, in rank order
+        for rank in range(n):
+            ours, theirs = load(case(dtype, "ts", variant), rank), mpi(case(dtype, "tsmpi", variant), rank)
+            assert ours["losses"] == theirs["losses"], case(dtype, "tsmpi", variant)
+            assert all(torch.equal(v, theirs["params"][k]) for k, v in ours["params"].items()), (dtype, variant)
 
 
 # CI time: the rest of the data path is the same

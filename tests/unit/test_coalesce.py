@@ -88,3 +88,39 @@ def test_refused_where_stock_would_use_bf16_optimizer():
     engine, optimizer = make(1, **accum, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})
     backwards(engine, coalesced=True)
     assert engine.global_steps == 1 and optimizer.host is not None
+
+
+def micro_step_ids(tensorshard: bool) -> list[int]:
+    """A ZeRO-3 optimizer's ``micro_step_id`` after each forward of three accumulated backwards, at the flush of a
+    coalesced block of three (the engine's flush spied as DeepSpeed's test spies it), and after each step."""
+    config = {
+        "train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3},
+        "tensorshard": {"enabled": tensorshard},
+    }
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert isinstance(optimizer, ds_tensorshard.TensorShardOptimizer) == tensorshard
+    seen, flush = [], engine._flush_coalesced_reduction_zero3
+    engine._flush_coalesced_reduction_zero3 = lambda opt: (seen.append(opt.micro_step_id), flush(opt))[1]
+    inputs = torch.randn(BACKWARDS, 2, 4, generator=torch.Generator().manual_seed(1))
+    for coalesced in (False, True):
+        with engine.coalesce_grad_reduction() if coalesced else torch.enable_grad():
+            for i in range(BACKWARDS):
+                loss = engine(inputs[i]).square().sum()
+                seen.append(optimizer.micro_step_id)
+                engine.set_gradient_accumulation_boundary(i == BACKWARDS - 1)
+                engine.backward(loss)
+        engine.step()
+        seen.append(optimizer.micro_step_id)
+    return seen
+
+
+def test_micro_step_id_counts_the_backwards_since_the_step_as_stock_zero3():
+    """What DeepSpeed's test_micro_step_id_is_zero_at_flush reads: 0 at a coalesced block's flush, else the backwards
+    since the step, counted at the next forward."""
+    ours, stock = micro_step_ids(True), micro_step_ids(False)
+    assert ours == stock == [0, 1, 2, 0, 0, 0, 0, 0, 0], (ours, stock)

@@ -1,5 +1,5 @@
 """Each collective of the shared-memory lane on real ranks, against the result computed here in the lane's
-documented order (an owner's value, then the others' in rank order; an all-reduce in rank order), with a box
+documented order (in rank order, whichever rank owns it), with a box
 grown past its first size and two collectives started before either is waited for; one storage every rank maps,
 and flat parameters laid in it; then which transport ``open_transport`` gives. Prints ``OK`` on success."""
 
@@ -31,10 +31,10 @@ def inputs(case: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def owner_sum(xs: list[torch.Tensor], owner: int) -> torch.Tensor:
-    total = xs[owner].clone()
-    for q in range(n):
-        if q != owner:
-            total += xs[q]
+    """The sum in rank order, whichever rank owns it (an all-reduce's too)."""
+    total = xs[0].clone()
+    for x in xs[1:]:
+        total += x
     return total
 
 
