@@ -119,9 +119,11 @@ class Boxes:
         name = f"{self.prefix}_{self.generation}_{{}}"
         what = f"the shared-memory lane's boxes ({self.comm.world_size} x {2 * capacity:,} bytes)"
         reserve(self.comm, name.format(self.comm.rank), 2 * capacity, what)
-        maps = [mapped(name.format(rank), 2 * capacity) for rank in range(self.comm.world_size)]
-        self.barrier()  # every rank has mapped every box: the names can go
-        os.unlink(name.format(self.comm.rank))
+        try:
+            maps = [mapped(name.format(rank), 2 * capacity) for rank in range(self.comm.world_size)]
+            self.barrier()  # every rank has mapped every box: the names can go
+        finally:  # (also where a peer failed: no name is left behind)
+            os.unlink(name.format(self.comm.rank))
         self.views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
         self.maps, self.capacity = maps, capacity
 
@@ -204,10 +206,12 @@ class HostSharedComm:
         self._segments += 1
         path = f"{self.boxes.prefix}_storage_{self._segments}"
         reserve(self.inner, path if self.rank == 0 else None, nbytes, f"a shared storage of {nbytes:,} bytes")
-        segment = mapped(path, nbytes)
-        self._barrier()  # every rank has mapped it
-        if self.rank == 0:
-            os.unlink(path)
+        try:
+            segment = mapped(path, nbytes)
+            self._barrier()  # every rank has mapped it
+        finally:  # (also where a peer failed: no name is left behind)
+            if self.rank == 0:
+                os.unlink(path)
         return torch.frombuffer(segment, dtype=torch.uint8)[: numel * dtype.itemsize].view(dtype)
 
     def _sum_into(self, flat: torch.Tensor, halves: list[torch.Tensor], offset: int, numel: int) -> None:
