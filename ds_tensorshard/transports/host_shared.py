@@ -216,11 +216,12 @@ class HostSharedComm:
 
     def _sum_into(self, flat: torch.Tensor, halves: list[torch.Tensor], offset: int, numel: int) -> None:
         """``flat[offset:offset+numel]`` summed over the ranks in rank order (this rank's part from ``flat``, the
-        others' from their halves): the same bits whichever rank owns it, and an all-reduce's."""
+        others' from their halves): the same bits whichever rank owns it, and an all-reduce's. Ranks 0 and 1 add in
+        place (the first addition is commutative bit for bit); a later rank sums apart, then copies."""
         out = flat.view(-1)[offset : offset + numel]
         parts = [out if rank == self.rank else halves[rank][offset : offset + numel] for rank in range(self.world_size)]
-        if self.rank == 0:
-            for part in parts[1:]:
+        if self.rank <= 1:
+            for part in [parts[1 - self.rank], *parts[2:]]:
                 out.add_(part)
             return
         total = parts[0] + parts[1]
