@@ -163,6 +163,8 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
         # expert gradients too are divided by the data-parallel size, then summed over their expert group (stock)
         averaging = Averaging.like_deepspeed(engine, self.comm.world_size)
         boundary = lambda: engine.micro_steps if self._at_boundary() else None  # noqa: E731
+        if self.keeps_gradients and self.early is None:  # a second backward before the step adds, as stock ZeRO-3's
+            boundary = lambda: None  # noqa: E731
         start_reducers(
             self.domains, self.layout, autocast_comm_dtypes(), averaging, self.shard, self.early, self.intake,
             self.names, self._step_of, boundary,

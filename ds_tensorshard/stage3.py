@@ -32,6 +32,7 @@ from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import Block
 from ds_tensorshard.errors import CallRefusedAsStock, TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.optimizer import TensorShardOptimizer
+from ds_tensorshard.parameters.accessors import owned_grad
 from ds_tensorshard.parameters.init_hooks import owning
 from ds_tensorshard.parameters.owned import OwnedParameters
 from ds_tensorshard.parameters.ownership import ParameterPlan, plan_parameters
@@ -232,6 +233,15 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         between micro-steps when resumed from a checkpoint saved at an epoch's end."""
         super().zero_grad(set_to_none)
         self.micro_step_id, self._backward_ran = 0, False
+
+    @property
+    def averaged_gradients(self) -> dict[int, list[torch.Tensor]]:
+        """Stock's: once a backward has run since the step, per group this rank's part of each trained tensor's
+        averaged gradient (here the block it owns, a view of the kept gradient; empty where it owns none). Empty
+        after the step, and with ZeRO-Offload (stock keeps those gradients in its host buffers)."""
+        if self.host is not None or not (self._backward_ran or self.micro_step_id):
+            return {}
+        return {index: [owned_grad(self, p) for p in group] for index, group in enumerate(self.bit16_groups)}
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -101,14 +101,16 @@ class Stage3Access:
         return _matched(local, value, optimizer.names[param])
 
     def _local_grad(self, param: ZeroParam, value: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's block of the step's mean gradient, flat (empty where it owns none)."""
         optimizer = self._live()
-        shard = optimizer.shard
-        if param not in shard.masters:
-            local = torch.empty(0, dtype=torch.float32, device=optimizer.comm.device)
-        else:
-            local = shard.grads.view(param).view(-1)
-        return _matched(local, value, optimizer.names[param])
+        return _matched(owned_grad(optimizer, param), value, optimizer.names[param])
+
+
+def owned_grad(optimizer: TensorShardOptimizer, param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's block of ``param``'s mean gradient, flat, a view of the reduced gradient the owner keeps (empty
+    where it owns none)."""
+    if param not in optimizer.shard.masters:
+        return torch.empty(0, dtype=torch.float32, device=optimizer.comm.device)
+    return optimizer.shard.grads.view(param).view(-1)
 
 
 def _matched(local: torch.Tensor, value: torch.Tensor | None, name: str) -> torch.Tensor:

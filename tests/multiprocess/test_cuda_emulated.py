@@ -36,6 +36,7 @@ def test_no_host_blocking_wait_inside_a_gradient_hook(tmp_path):
         assert ours[rank]["losses"] == cpu[rank]["losses"]
 
 
+@pytest.mark.extended  # CI time (22 s): offload_states in one CPU rank stays (tests/unit/test_offload.py)
 def test_offload_states_frees_the_device_memory_as_stock(tmp_path):
     """engine.offload_states() after 2 steps (fp32, stage 2): the trained tensors, the masters (views of an fp32
     model's tensors) and the optimizer state go to pinned host memory, the device's allocated memory falls to

@@ -208,6 +208,7 @@ EMULATED_MPI = ["fp32:tsmpi-stripes:2", "bf16:tsmpi:1"]
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time (16 s): the mpi transport's CPU runs stay in the default suite
 @pytest.mark.parametrize("mpi_world", [2], indirect=True)
 def test_mpi_transport_on_emulated_cuda(mpi_world, tmp_path):
     """The mpi transport on an emulated CUDA device (tests/helpers/emulated_cuda.py) with an MPI taken to be

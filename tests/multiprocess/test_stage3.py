@@ -33,7 +33,7 @@ TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails
 # branch: modules run in some micro-steps only; with zero_grad() between micro-steps and before step(); frozenleaf:
 # a ZeRO-3 leaf module whose parameters are all frozen
 FP32_VARIANTS = ("", "persist0", "twice", "root", "ckpt", "evalnograd", "branch", "zerograd+branch+stepgrad")
-FP32_VARIANTS += ("frozenleaf",)
+FP32_VARIANTS += ("frozenleaf", "repeat")
 # (dtype, variant): the default suite's (CI time); every one, DeepSpeed's checkpointing and no_sync too: -m extended
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
@@ -210,7 +210,8 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
     holds only its own pieces after the steps; in the hard cases no parameter stays gathered between a forward and its
     backward (stock's fetch knobs keep all 30 on this model); the frozen tensor stays, the unused one moves
     (AdamW's decay), the root's parameter trains; eval() + no_grad() forwards ran; zero_grad() between micro-steps
-    changed the steps; the frozen leaf module is a ZeRO-3 leaf and stays as built."""
+    changed the steps, and so did a second backward before step(); the frozen leaf module is a ZeRO-3 leaf and
+    stays as built."""
     load = stage3_runs(2)
     assert load("fp32:stock:persist0", 0)["resident_after_forward"] == 30
     for mode in ("stock", "ts"):
@@ -235,10 +236,49 @@ def test_the_cases_exercise_what_they_name(stage3_runs):
         branch = load(f"fp32:{mode}:branch", 0)
         cleared = load(f"fp32:{mode}:zerograd+branch+stepgrad", 0)["losses"]
         assert cleared[:2] == branch["losses"][:2] and cleared[2] != branch["losses"][2], mode
+        # a second backward before step(): its gradients added to the step's (the next micro-step's loss moves)
+        plain, repeated = (load(f"fp32:{mode}:{v}", 0)["losses"] for v in ("evalnograd", "repeat"))
+        assert repeated[:2] == plain[:2] and repeated[2] != plain[2], mode
         leaf = load(f"fp32:{mode}:frozenleaf", 0)
         assert leaf["leaf_modules"] == ["frozen_leaf"], mode
         frozen = [n for n in leaf["params"] if n.startswith("frozen_leaf.")]
         assert len(frozen) == 4 and all(torch.equal(leaf["params"][n], leaf["initial"][n]) for n in frozen), mode
+
+
+def assembled(parts: list[dict], stock: bool) -> dict[int, dict[str, torch.Tensor]]:
+    """Per group, each tensor's whole averaged gradient (flat) from every rank's ``averaged_gradients`` parts: stock's
+    are its slices in rank order (the last padded), ds_tensorshard's the blocks each rank owns."""
+    whole: dict[int, dict[str, torch.Tensor]] = {}
+    for index, params in parts[0].items():
+        for p, (name, _, blocks) in enumerate(params):
+            pieces = [rank_parts[index][p][1] for rank_parts in parts]
+            if stock:
+                numel = sum(piece.numel() for piece in pieces)  # padded; trimmed below by the tensor's numel
+                flat = torch.cat(pieces)
+            else:
+                numel = max(stop for _, _, stop in blocks)
+                flat = torch.empty(numel)
+                for rank, start, stop in blocks:
+                    assert pieces[rank].numel() == stop - start, name
+                    flat[start:stop] = pieces[rank]
+                for rank, piece in enumerate(pieces):  # a rank that owns none of it has an empty part
+                    assert piece.numel() == 0 or any(r == rank for r, _, _ in blocks), name
+            whole.setdefault(index, {})[name] = flat[:numel]
+    return whole
+
+
+def test_averaged_gradients_hold_each_ranks_part_as_stock_zero3(stage3_runs):
+    """``optimizer.averaged_gradients`` (which DeepSpeed's own stage-3 tests read) after the first step's backwards:
+    the same groups, and each rank's parts put together give stock's averaged gradients bit for bit (2 ranks)."""
+    load = stage3_runs(2)
+    stock, ours = ([load(f"fp32:{mode}", r)["averaged"] for r in range(2)] for mode in ("stock", "ts"))
+    theirs, mine = assembled(stock, stock=True), assembled(ours, stock=False)
+    assert list(mine) == list(theirs) == [0, 1] and all(set(mine[i]) == set(theirs[i]) for i in theirs)
+    for index, grads in theirs.items():
+        for name, grad in grads.items():
+            assert torch.equal(mine[index][name], grad[: mine[index][name].numel()]), name
+            assert grad[mine[index][name].numel() :].count_nonzero() == 0, name  # stock's padding
+            assert grad.count_nonzero() > 0 or name == "unused", name
 
 
 def test_stock_zero3_trains_as_stock_zero2(stage3_runs):

@@ -196,6 +196,7 @@ EMULATED_VARIANTS = (*DEFAULT, API)  # the CPU launch's order: construction owne
 
 
 @pytest.mark.cuda_emulated
+@pytest.mark.extended  # CI time (30 s): its CPU run stays; stage 3 on emulated CUDA stays in test_stage3.py
 def test_on_emulated_cuda_construction_and_training_as_on_the_cpu(runs, tmp_path):
     """``zero.Init`` with the block on emulated CUDA under NCCL's rules (tests/helpers/emulated_cuda.py): the model
     built on the rank's device, each tensor kept by its construction owner there; what each rank holds, the values

@@ -47,9 +47,11 @@ VOCAB, WIDTH = 1024, 160
 # (deepspeed.utils.set_z3_leaf_modules) whose parameters are all frozen, after the blocks;
 # tiled: each block's MLP through DeepSpeed's TiledMLP, 2 shards (its backward runs once per shard, marking the
 # MLP's parameters ds_grad_is_ready False for the first); coalesce: each step's GAS backwards in one
-# engine.coalesce_grad_reduction() block (gradient_accumulation_steps 1, the boundary set on the last), one step()
+# engine.coalesce_grad_reduction() block (gradient_accumulation_steps 1, the boundary set on the last), one step();
+# repeat: the last micro-step's forward and backward run again before engine.step() (stock ZeRO-3 adds the second
+# backward's gradients: its micro_step_id)
 FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
-FLAGS += ("stepgrad", "branch", "frozenleaf", "tiled", "coalesce")
+FLAGS += ("stepgrad", "branch", "frozenleaf", "tiled", "coalesce", "repeat")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
@@ -209,6 +211,7 @@ def train(engine, flags: set[str], rank: int) -> dict:
     after its backward, before ``engine.step()``; ``branch``: the model runs :func:`branches`). A step that
     ds_tensorshard refuses ends the training, its message recorded."""
     losses, norms, eval_losses, refused, resident, step_refused = [], [], [], None, 0, None
+    averaged: dict = {}
     for micro in range(STEPS * GAS):
         tokens = batch(rank, micro).to(engine.device)
         if "zerograd" in flags and (micro + 1) % GAS == 0:
@@ -230,6 +233,10 @@ def train(engine, flags: set[str], rank: int) -> dict:
                 getattr(p, "ds_status", None) is ZeroParamStatus.AVAILABLE for p in engine.module.parameters()
             )
             engine.backward(loss)
+        if "repeat" in flags and (micro + 1) % GAS == 0:
+            engine.backward(engine(tokens))
+        if micro == GAS - 1 and engine.zero_optimization_stage() == 3:
+            averaged = averaged_parts(engine)
         if "stepgrad" in flags and (micro + 1) % GAS == 0:
             engine.optimizer.zero_grad()
         try:
@@ -252,7 +259,27 @@ def train(engine, flags: set[str], rank: int) -> dict:
         "no_sync_refused": refused,
         "step_refused": step_refused,
         "resident_after_forward": resident,  # the last micro-step's, between its forward and backward
+        "averaged": averaged,
     }
+
+
+def averaged_parts(engine) -> dict:
+    """The first step's ``optimizer.averaged_gradients`` before ``step()``, as stock's stage-3 tests read it: per
+    group, per parameter (by name) this rank's part and, for ds_tensorshard's, the blocks it owns."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = engine.optimizer.fp16_groups
+    return {
+        index: [
+            (names[id(p)], grad.detach().float().cpu().clone(), [(b.rank, b.start, b.stop) for b in blocks_of(p)])
+            for p, grad in zip(groups[index], parts)
+        ]
+        for index, parts in engine.optimizer.averaged_gradients.items()
+    }
+
+
+def blocks_of(param) -> list:
+    """ds_tensorshard's blocks of ``param`` (none for stock's)."""
+    return getattr(param, "ts_blocks", [])
 
 
 def train_coalesced(engine, rank: int) -> dict:
