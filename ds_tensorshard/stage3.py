@@ -53,7 +53,8 @@ def configure_stage3(engine: DeepSpeedEngine, optimizer: Any, config: TensorShar
         on_host = offload is not None and getattr(offload.device, "value", offload.device) == "cpu"
         home = torch.device("cpu") if on_host else engine.device
         owned = OwnedParameters(comm, home, _unplanned, bool(on_host and offload.pin_memory))
-    plan = plan_parameters(engine.module, optimizer, trained, owned.comm.world_size, config.split_tensors)
+    n, accelerator = owned.comm.world_size, owned.comm.device.type != "cpu"
+    plan = plan_parameters(engine.module, optimizer, trained, n, config.split_tensors, accelerator)
     _place(engine.module, plan, owned)
     with owning(owned):
         offload = DeepSpeedZeRoOffload(

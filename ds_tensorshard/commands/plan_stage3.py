@@ -1,21 +1,24 @@
 """``ds-tensorshard plan --stage 3``: what each rank keeps and what a step communicates at ZeRO stage 3, against
 stock ZeRO-3 at its defaults, over meta shapes (no tensor is built).
 
-Memory: ds_tensorshard keeps each tensor (or dim-0 block) on its owner under the plan of stages 1/2, plus a
-gathered copy of every persistent parameter (``stage3_param_persistence_threshold``) it does not own; stock keeps
-``ceil(numel / n)`` of each tensor, plus the whole of each persistent one. The optimizer state (fp32 master and
-Adam's two moments) follows the owned tensors. Communication: :mod:`~ds_tensorshard.datapath.stage3_cost`.
+Memory: ds_tensorshard keeps each tensor (or dim-0 block) on its owner under the plan of stages 1/2 (on
+accelerators, with the tensors :func:`~ds_tensorshard.parameters.ownership.cut_names` gives in a block on every
+rank), plus a gathered copy of every persistent parameter (``stage3_param_persistence_threshold``) it does not
+own; stock keeps ``ceil(numel / n)`` of each tensor, plus the whole of each persistent one. The optimizer state
+(fp32 master and Adam's two moments) follows the owned tensors.
+Communication: :mod:`~ds_tensorshard.datapath.stage3_cost`.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from ds_tensorshard.config.schema import TensorShardConfig
-from ds_tensorshard.datapath.cost_model import DEFAULT_NETWORK, Cost, Network, tensorshard_stripes_cost
+from ds_tensorshard.datapath.cost_model import DEFAULT_NETWORK, Cost, Network, padded_bytes, tensorshard_stripes_cost
 from ds_tensorshard.datapath.defaults import ACCELERATOR, choose_layout
 from ds_tensorshard.datapath.plan import OwnershipPlan, SplitMode, plan_ownership
 from ds_tensorshard.datapath.stage3_cost import (
@@ -23,12 +26,13 @@ from ds_tensorshard.datapath.stage3_cost import (
     STOCK_PREFETCH_BUCKET,
     batch_spans,
     fetch_batches,
+    gather_route,
     module_trace,
     persistent_of,
     stock_zero3_cost,
-    sum_gather_faster,
     tensorshard_zero3_cost,
 )
+from ds_tensorshard.parameters.ownership import cut_names
 
 Shapes = Sequence[tuple[str, Sequence[int]]]
 OPTIMIZER_BYTES = 12  # per trained element: the fp32 master and Adam's two fp32 moments
@@ -77,21 +81,28 @@ def _reduction(numels: Sequence[int], owned: Sequence[int], net: Network, elemen
 
 
 def communication_report(
-    names: Sequence[str], numels: Sequence[int], plan: OwnershipPlan, net: Network, element_bytes: int
+    names: Sequence[str], numels: Sequence[int], plans: dict[str, OwnershipPlan], net: Network, element_bytes: int
 ) -> dict[str, Any]:
-    """Stock ZeRO-3's collectives per step against ds_tensorshard's default (per batch a broadcast per owner, or
-    one all-reduce where the model prices it faster), every batch by broadcasts, and grouped (not built)."""
-    n = plan.world_size
-    blocks = [plan.blocks[name] for name in names]
+    """Stock ZeRO-3's collectives per step against ds_tensorshard on accelerators (``plans["accelerators"]``, per
+    batch the route :func:`gather_route` chooses), with whole tensors (stage 2's plan, ``plans["whole"]``) and
+    those routes, and with whole tensors and every batch by broadcasts (what CPU ranks run)."""
+    n = plans["whole"].world_size
     batches = fetch_batches(numels, module_trace(names))
     stock = stock_zero3_cost(numels, batches, n, net, element_bytes)
-    reduction = lambda: _reduction(numels, plan.numel_per_rank, net, element_bytes)  # noqa: E731
-    cost = lambda route: tensorshard_zero3_cost(  # noqa: E731
-        blocks, numels, batches, n, net, element_bytes, reduction, route
-    )
-    per_owner, default, grouped = cost("per_owner"), cost("default"), cost("grouped")
+
+    def cost(plan: OwnershipPlan, route: str) -> Cost:
+        blocks = [plan.blocks[name] for name in names]
+        reduction = lambda: _reduction(numels, plan.numel_per_rank, net, element_bytes)  # noqa: E731
+        return tensorshard_zero3_cost(blocks, numels, batches, n, net, element_bytes, reduction, route)
+
+    default, whole = cost(plans["accelerators"], "default"), cost(plans["whole"], "default")
+    per_owner = cost(plans["whole"], "per_owner")
     ratio = lambda cost: cost.seconds / stock.seconds if stock.seconds else 1.0  # noqa: E731
-    summed = sum(n > 1 and sum_gather_faster(spans, n) for spans in batch_spans(blocks, batches, element_bytes))
+    blocks = [plans["accelerators"].blocks[name] for name in names]
+    routes = Counter(
+        gather_route(spans, padded_bytes(numels, batch, n, element_bytes), n) if n > 1 else "broadcasts"
+        for batch, spans in zip(batches, batch_spans(blocks, batches, element_bytes))
+    )
     return {
         "network": asdict(net),
         "element_bytes": element_bytes,
@@ -99,29 +110,12 @@ def communication_report(
         "largest_batch_numel": max((sum(numels[p] for p in b) for b in batches), default=0),
         "prefetch_bucket_numel": STOCK_PREFETCH_BUCKET,
         "stock_zero3": asdict(stock),
+        "tensorshard_whole": asdict(whole),
+        "whole_time_ratio": ratio(whole),
         "tensorshard_per_owner": asdict(per_owner),
-        "tensorshard_grouped": asdict(grouped),
         "per_owner_time_ratio": ratio(per_owner),
-        "grouped_time_ratio": ratio(grouped),
-        "default": {
-            **asdict(default),
-            "time_ratio": ratio(default),
-            "batches_by_all_reduce": summed,
-            "why": _verdict(n, ratio(default), ratio(per_owner), summed, len(batches)),
-        },
+        "default": {**asdict(default), "time_ratio": ratio(default), "routes": dict(sorted(routes.items()))},
     }
-
-
-def _verdict(n: int, default: float, per_owner: float, summed: int, batches: int) -> str:
-    """The default's standing against stock ZeRO-3, in words."""
-    how = (
-        f"{summed} of {batches} batches gathered by one all-reduce (the other ranks adding -0.0), the rest by a "
-        f"broadcast per owner (every batch by broadcasts: {per_owner:.2f}x stock)"
-        if summed
-        else "every batch gathered by a broadcast per owner"
-    )
-    standing = "within" if default <= 1.0 else "over"
-    return f"{how}: {default:.2f}x stock ZeRO-3's communication at {n} ranks, {standing} it"
 
 
 def stage3_plan_report(
@@ -131,19 +125,25 @@ def stage3_plan_report(
     network: Network = DEFAULT_NETWORK,
     element_bytes: int = 2,
 ) -> dict[str, Any]:
-    """The stage-3 plan of ``shapes`` at ``world_size`` ranks: memory per rank and communication per step."""
+    """The stage-3 plan of ``shapes`` at ``world_size`` ranks on accelerators (the tensors :func:`cut_names`
+    cuts, the rest as stage 2's plan): memory per rank and communication per step."""
     names = [name for name, _ in shapes]
     numels = [math.prod(shape) for _, shape in shapes]
-    plan = plan_ownership(shapes, world_size, split=split)
+    cut = cut_names(dict(shapes), world_size, element_bytes)
+    plans = {
+        "whole": plan_ownership(shapes, world_size, split=split),
+        "accelerators": plan_ownership(shapes, world_size, split=split, cut=cut),
+    }
     return {
         "stage": 3,
         "world_size": world_size,
         "split_tensors": split,
         "tensors": len(shapes),
         "total_numel": sum(numels),
-        "split": plan.split,
-        "memory": memory_report(names, numels, plan),
-        "communication": communication_report(names, numels, plan, network, element_bytes),
+        "cut": len(cut),
+        "split": plans["accelerators"].split,
+        "memory": memory_report(names, numels, plans["accelerators"]),
+        "communication": communication_report(names, numels, plans, network, element_bytes),
     }
 
 
@@ -152,6 +152,7 @@ def format_stage3_report(report: dict[str, Any]) -> list[str]:
     mem, comm, n = report["memory"], report["communication"], report["world_size"]
     ms = lambda cost: f"{cost['launches']:,} collectives, {cost['seconds'] * 1e3:,.1f} ms"  # noqa: E731
     net = comm["network"]
+    routes = ", ".join(f"{count} by {route.replace('_', '-')}" for route, count in comm["default"]["routes"].items())
     return [
         f"world size {n}, ZeRO stage 3 (split_tensors={report['split_tensors']}): {report['tensors']} tensors, "
         f"{report['total_numel']:,} elements, {mem['ideal_numel']:,.0f} per rank ideally; "
@@ -168,11 +169,11 @@ def format_stage3_report(report: dict[str, Any]) -> list[str]:
         f"elements; {comm['batches']} gather batches per step at stage3_prefetch_bucket_size "
         f"{comm['prefetch_bucket_numel']:,}):",
         f"    stock ZeRO-3 at its defaults (an all-gather per batch, reduce-scatters): {ms(comm['stock_zero3'])}",
-        f"    ds_tensorshard's default (per batch a broadcast per owner or one all-reduce, the stripes' "
+        f"    ds_tensorshard on accelerators ({report['cut']} tensors in a block of rows on every rank; per batch "
+        f"the route furthest below stock's on the fabric where it fares worst: {routes}; the stripes' "
         f"reduce-scatters): {ms(comm['default'])} = {comm['default']['time_ratio']:.2f}x stock",
-        f"    ds_tensorshard, every batch a broadcast per owner: {ms(comm['tensorshard_per_owner'])} = "
-        f"{comm['per_owner_time_ratio']:.2f}x stock",
-        f"    ds_tensorshard grouped (one launch per batch, not built): {ms(comm['tensorshard_grouped'])} = "
-        f"{comm['grouped_time_ratio']:.2f}x stock",
-        f"    default: {comm['default']['why']}",
+        f"    ds_tensorshard with every tensor whole (stage 2's plan), the same choice of routes: "
+        f"{ms(comm['tensorshard_whole'])} = {comm['whole_time_ratio']:.2f}x stock",
+        f"    ds_tensorshard with every tensor whole, every batch a broadcast per owner (CPU ranks): "
+        f"{ms(comm['tensorshard_per_owner'])} = {comm['per_owner_time_ratio']:.2f}x stock",
     ]

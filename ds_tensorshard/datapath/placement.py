@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 
 from ds_tensorshard.datapath.inner_optimizer import newton_schulz_work, orthogonalized_params, whole_matrix_params
@@ -41,9 +43,11 @@ def plan_for(
     world_size: int,
     split: SplitMode,
     joint_plan: OwnershipPlan | None,
+    cut: AbstractSet[str] = frozenset(),
 ) -> OwnershipPlan:
     """The engine's plan: ``joint_plan`` (initialize_many's, checked to cover these tensors), else one for
-    ``names`` alone. Matrices the inner optimizer needs whole are never split; Newton-Schulz work is balanced."""
+    ``names`` alone, ``cut`` tensors in a block on every rank. Matrices the inner optimizer needs whole are never
+    split; Newton-Schulz work is balanced."""
     whole = {names[p] for p in whole_matrix_params(optimizer) if p in names}
     if joint_plan is None:
         work = {names[p]: newton_schulz_work(shape_of(p)) for p in orthogonalized_params(optimizer) if p in names}
@@ -54,6 +58,7 @@ def plan_for(
             split=split,
             unsplittable=whole,
             work=work,
+            cut=cut - whole,
         )
     if joint_plan.world_size != world_size:
         raise TensorShardConfigError(

@@ -12,7 +12,9 @@ emptiest rank as long as that rank stays within :data:`TARGET_IMBALANCE` times t
 that does not fit is cut into dim-0 blocks (whole rows), each owned whole by one rank, the first
 filling the emptiest rank to :data:`FILL` times the ideal (to the nearest whole row), the next the
 then emptiest, and so on, so only as many blocks as needed. Tensors named
-in ``unsplittable`` (those of optimizers that need a whole matrix) are never cut.
+in ``unsplittable`` (those of optimizers that need a whole matrix) are never cut. Tensors named in ``cut`` (at
+ZeRO stage 3 on accelerators, where the cost model prices their gathers faster so) are cut first, one block of
+whole rows on every rank (:func:`even_row_blocks`), and the others balanced around them.
 
 Worked example, two ranks, tensors ``a``: 6, ``b``: 4, ``c``: 3, ``d``: 3 elements, ``split="never"``::
 
@@ -140,11 +142,13 @@ def plan_ownership(
     unsplittable: AbstractSet[str] = frozenset(),
     work: Mapping[str, float] | None = None,
     loads: Sequence[int] | None = None,
+    cut: AbstractSet[str] = frozenset(),
 ) -> OwnershipPlan:
     """Split named tensors ``(name, shape)`` into ``world_size`` sets balanced by element count.
 
     A bare int is the element count of a 1-D tensor. ``loads``: elements each rank holds already (another
-    plan's), which the balance counts; ``numel_per_rank`` then includes them.
+    plan's), which the balance counts; ``numel_per_rank`` then includes them. ``cut``: tensors kept in one block
+    of whole rows on every rank (:func:`even_row_blocks`), placed first.
     """
     if world_size < 1:
         raise PlanError(f"world_size must be >= 1, got {world_size}")
@@ -158,6 +162,9 @@ def plan_ownership(
     numels = {name: math.prod(shape) for name, shape in shapes.items()}
     work = dict(work or {})
     placed, start, work_loads = _by_work(work, numels, world_size)
+    for name in sorted(cut - set(placed)):
+        placed[name] = even_row_blocks(shapes[name], world_size)
+        start = [load + block.numel for load, block in zip(start, placed[name])]
     if loads is not None:
         if len(loads) != world_size:
             raise PlanError(f"loads has {len(loads)} entries for a world size of {world_size}")
@@ -178,6 +185,15 @@ def plan_ownership(
         param_names=dict(param_names or {}),
         work_per_rank=tuple(work_loads) if work else (),
     )
+
+
+def even_row_blocks(shape: Sequence[int], world_size: int) -> tuple[Block, ...]:
+    """A tensor of at least ``world_size`` rows in one block of whole rows on each rank, in rank order (rank r:
+    rows ``[rows x r // n, rows x (r + 1) // n)``)."""
+    rows = shape[0] if shape else 1
+    row = math.prod(shape) // rows if rows else 0
+    cuts = [rows * rank // world_size * row for rank in range(world_size + 1)]
+    return tuple(Block(rank, cuts[rank], cuts[rank + 1]) for rank in range(world_size))
 
 
 def _by_work(

@@ -23,13 +23,15 @@ Stock and ds_tensorshard are priced on the same trace, so the ratio does not dep
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from ds_tensorshard.datapath.cost_model import (
-    DEFAULT_NETWORK,
+    FABRICS,
     Cost,
     Network,
     Time,
@@ -157,16 +159,59 @@ def stock_zero3_cost(
     return cost_of([*gathers, *persistent]) + stock_zero3_reduction(numels, n, reduce_bucket, net, element_bytes)
 
 
-def sum_gather_faster(spans: Sequence[int], n: int, net: Network = DEFAULT_NETWORK) -> bool:
-    """Whether a batch whose owners hold ``spans`` bytes is gathered faster by one all-reduce of the whole batch
-    (the others adding -0.0: exact) than by a broadcast from each owner, by the model on ``net`` (a run's rule
-    on accelerators, on the default network: it cannot know its own)."""
-    total = sum(spans)
-    return sum(all_reduce(total, n, net)) < sum(sum(rooted(span, n, net)) for span in spans)
+GatherRoute = Literal["broadcasts", "all_reduce", "all_gather"]
+ROUTES: tuple[GatherRoute, ...] = ("broadcasts", "all_reduce", "all_gather")
+
+
+def route_times(route: GatherRoute, spans: Sequence[int], n: int, net: Network) -> list[Time]:
+    """A batch's gather whose owners hold ``spans`` bytes: a broadcast from each owner; one all-reduce of the
+    batch (every other span -0.0: exact); or one all-gather, every rank's span padded to the widest."""
+    if route == "broadcasts":
+        return [rooted(span, n, net) for span in spans]
+    if route == "all_reduce":
+        return [all_reduce(sum(spans), n, net)]
+    return [all_gather(n * max(spans), n, net)]
+
+
+def worst_ratio(ours: Callable[[Network], Sequence[Time]], stock: Callable[[Network], Sequence[Time]]) -> float:
+    """The largest, over :data:`FABRICS`, of the time of the collectives ``ours(net)`` over stock ZeRO-3's
+    ``stock(net)`` (a run cannot know its fabric: its choices hold on each)."""
+    return max(sum(map(sum, ours(net))) / sum(map(sum, stock(net))) for net in FABRICS)
+
+
+def gather_route(spans: Sequence[int], stock_bytes: int, n: int) -> GatherRoute:
+    """The route of a batch whose owners hold ``spans`` bytes (stock's all-gather of it: ``stock_bytes``) on
+    accelerators: the one furthest below stock's on the fabric where it fares worst (ties: the earlier of
+    :data:`ROUTES`)."""
+    stock = lambda net: [all_gather(stock_bytes, n, net)]  # noqa: E731
+    return min(ROUTES, key=lambda route: worst_ratio(functools.partial(route_times, route, spans, n), stock))
+
+
+def cut_wanted(shapes: Sequence[Sequence[int]], n: int, element_bytes: int) -> bool:
+    """Whether the tensors of ``shapes`` (each of at least ``n`` rows) are gathered faster in one block of whole
+    rows on every rank (all-gathered, padded to the widest block) than whole from one owner (by broadcast or by
+    the all-reduce, the same route for all), each gathered alone once, on the fabric where each way fares worst
+    against stock ZeRO-3's all-gather of each."""
+    if n < 2 or not shapes:
+        return False
+    numels = [math.prod(shape) for shape in shapes]
+    widest = [-(-shape[0] // n) * (numel // shape[0]) * element_bytes for shape, numel in zip(shapes, numels)]
+
+    def times(route: GatherRoute, net: Network) -> list[Time]:
+        if route == "all_gather":
+            return [all_gather(n * width, n, net) for width in widest]
+        return [t for numel in numels for t in route_times(route, [numel * element_bytes], n, net)]
+
+    def stock(net: Network) -> list[Time]:
+        return [all_gather(-(-numel // n) * n * element_bytes, n, net) for numel in numels]
+
+    worst = {route: worst_ratio(functools.partial(times, route), stock) for route in ROUTES}
+    return worst["all_gather"] <= min(worst["broadcasts"], worst["all_reduce"])
 
 
 def tensorshard_gathers(
     blocks: Sequence[Sequence[Block]],
+    numels: Sequence[int],
     batches: Sequence[Sequence[int]],
     n: int,
     net: Network,
@@ -174,19 +219,15 @@ def tensorshard_gathers(
     route: str = "default",
 ) -> list[Time]:
     """ds_tensorshard's gathers of ``batches`` (each parameter's ``blocks``). ``route``: ``"per_owner"``, one
-    broadcast per owner present; ``"default"``, that or one all-reduce of the batch as
-    :func:`sum_gather_faster` chooses (what runs on accelerators); ``"grouped"``, one launch of the batch's
-    broadcasts (not built)."""
+    broadcast per owner present (what CPU ranks run); ``"default"``, the route :func:`gather_route` chooses (what
+    runs on accelerators)."""
     if n == 1:
         return []
     times: list[Time] = []
-    for spans in batch_spans(blocks, batches, element_bytes):
-        if route == "grouped":
-            times.append(rooted(sum(spans), n, net))
-        elif route == "default" and sum_gather_faster(spans, n):
-            times.append(all_reduce(sum(spans), n, net))
-        else:
-            times += [rooted(span, n, net) for span in spans]
+    for batch, spans in zip(batches, batch_spans(blocks, batches, element_bytes)):
+        stock_bytes = padded_bytes(numels, batch, n, element_bytes)
+        chosen: GatherRoute = gather_route(spans, stock_bytes, n) if route == "default" else "broadcasts"
+        times += route_times(chosen, spans, n, net)
     return times
 
 
@@ -219,5 +260,6 @@ def tensorshard_zero3_cost(
     """ds_tensorshard per step: the gathers of ``batches`` and of the persistent parameters after the step, and
     ``reduction`` (the gradients' reduction and the norm, as at stage 2 without its gather)."""
     persistent = persistent_of(numels, bounds.persistence)
-    times = tensorshard_gathers(blocks, [*batches, *([persistent] if persistent else [])], n, net, element_bytes, route)
+    every = [*batches, *([persistent] if persistent else [])]
+    times = tensorshard_gathers(blocks, numels, every, n, net, element_bytes, route)
     return cost_of(times) + reduction()

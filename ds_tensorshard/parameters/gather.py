@@ -11,11 +11,16 @@ Example, two ranks, a batch ``[a (owner 1, 6 elements), b (owner 0, 4), c (owner
 ``[b | a | c]``, spans ``(0, 0, 4)`` and ``(1, 4, 8)``; rank 1 copies ``a`` and ``c`` into elements 4-12 and
 rank 0 ``b`` into 0-4; after the two broadcasts ``a`` is ``buffer[4:10]`` on rank 0.
 
-A batch with many owners at many ranks pays one chain latency per owner. Where the α-β model (on its default
-network: :func:`~ds_tensorshard.datapath.stage3_cost.sum_gather_faster`) prices one all-reduce of the whole buffer
-faster, on accelerators, the batch goes that way instead (``GatherLayout.summed``): every rank fills the buffer with
--0.0 around its own span, and the sum adds -0.0 to each value, which changes no bit of it (a zero's sign kept), in
-any order of summation. CPU ranks keep the broadcasts (``ds-tensorshard plan --stage 3`` prints both).
+On accelerators the batch may go another way, the one :func:`~ds_tensorshard.datapath.stage3_cost.gather_route`
+prices furthest below stock's all-gather on the fabric where it fares worst (``GatherLayout.route``; CPU ranks keep
+the broadcasts, ``ds-tensorshard plan --stage 3`` prints each):
+
+- ``"all_reduce"``: one all-reduce of the whole buffer, every rank filling it with -0.0 around its own span: the
+  sum adds -0.0 to each value, which changes no bit of it (a zero's sign kept), in any order of summation. It
+  wins where a batch has many owners at many ranks (one tree against a chain per owner).
+- ``"all_gather"``: one all-gather, each rank's span in a slot of the widest span's size (rank r's at
+  ``r x slot``, padding after it never read). It wins where every rank holds a like share of the batch: the
+  tensors a stage-3 plan on accelerators cuts into a block of rows on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_tensorshard.datapath.plan import Block
+from ds_tensorshard.datapath.stage3_cost import GatherRoute
 from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Pending, Span, Transport, all_of
 
@@ -40,21 +46,26 @@ class GatherLayout:
     """Per parameter of the batch, its blocks' ``(offset, numel)`` in the buffer, in storage order."""
     mine: list[tuple[int, int]] = field(default_factory=list)
     """This rank's blocks: ``(parameter index, offset)``, in buffer order (its span, back to back)."""
-    summed: bool = False
-    """Gathered by one all-reduce of the buffer, -0.0 around each rank's span, instead of the broadcasts."""
+    route: GatherRoute = "broadcasts"
+    """How the spans move (the module's account)."""
+    slot: int = 0
+    """``"all_gather"``: elements per rank's slot (the widest span); the buffer is ``world_size x slot``."""
 
     @classmethod
-    def of(cls, blocks: Sequence[Sequence[Block]], rank: int, summed: bool = False) -> GatherLayout:
-        """The layout of a batch whose parameters have ``blocks`` (each in storage order), for ``rank``;
-        ``summed``: gathered by one all-reduce."""
+    def of(
+        cls, blocks: Sequence[Sequence[Block]], rank: int, route: GatherRoute = "broadcasts", world_size: int = 0
+    ) -> GatherLayout:
+        """The layout of a batch whose parameters have ``blocks`` (each in storage order), for ``rank``, gathered
+        by ``route`` (``"all_gather"``: over ``world_size`` ranks)."""
         by_rank: dict[int, list[tuple[int, Block]]] = {}
         for index, held in enumerate(blocks):
             for block in held:
                 by_rank.setdefault(block.rank, []).append((index, block))
+        slot = max(sum(b.numel for _, b in held) for held in by_rank.values()) if route == "all_gather" else 0
         at: dict[tuple[int, int], int] = {}
         spans, mine, offset = [], [], 0
         for owner in sorted(by_rank):
-            start = offset
+            start = offset = owner * slot if slot else offset
             for index, block in by_rank[owner]:
                 at[(index, block.start)] = offset
                 if owner == rank:
@@ -62,7 +73,7 @@ class GatherLayout:
                 offset += block.numel
             spans.append((owner, start, offset - start))
         pieces = [[(at[(i, b.start)], b.numel) for b in held] for i, held in enumerate(blocks)]
-        return cls(offset, spans, pieces, mine, summed)
+        return cls(world_size * slot if slot else offset, spans, pieces, mine, route, slot)
 
 
 class GatherInFlight:
@@ -93,12 +104,13 @@ def _contiguous(pieces: list[tuple[int, int]]) -> bool:
 
 def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport) -> GatherInFlight:
     """Start gathering ``params`` (one dtype, the batch's order on every rank): this rank's blocks (its
-    ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then one broadcast from each owner
-    (``layout.summed``: one all-reduce, the rest of the buffer -0.0). Where this rank's span is one tensor it owns
-    whole where it computes, and the batch goes by broadcasts, that tensor is broadcast as it is: nothing copied
-    (the gathered parameter is that tensor on this rank, the span is never read), where the transport lets an owner
-    broadcast its span from elsewhere (``broadcasts_by_owner``)."""
-    if layout.summed:
+    ``ds_tensor`` of each parameter in ``layout.mine``) go into its span, then the spans move by ``layout.route``
+    (``"all_reduce"``: the rest of the buffer -0.0). Where this rank's span is one tensor it owns whole where it
+    computes, and the batch goes by broadcasts, that tensor is broadcast as it is: nothing copied (the gathered
+    parameter is that tensor on this rank, the span is never read), where the transport lets an owner broadcast
+    its span from elsewhere (``broadcasts_by_owner``)."""
+    summed = layout.route == "all_reduce"
+    if summed:
         flat = torch.full((layout.numel,), -0.0, dtype=params[0].dtype, device=comm.device)
     else:
         flat = torch.empty(layout.numel, dtype=params[0].dtype, device=comm.device)
@@ -107,15 +119,17 @@ def start_gather(params: list[ZeroParam], layout: GatherLayout, comm: Transport)
         sources = [params[index].ds_tensor.view(-1) for index, _ in layout.mine]
         first = layout.mine[0][1]
         span = flat[first : first + sum(s.numel() for s in sources)]
-        as_is = not layout.summed and comm.broadcasts_by_owner
+        as_is = layout.route == "broadcasts" and comm.broadcasts_by_owner
         if len(sources) == 1 and as_is and _sendable_as_is(params[layout.mine[0][0]], sources[0], flat):
             own = sources[0]
         elif len(sources) == 1:
             span.copy_(sources[0])
         else:
             torch.cat([s.to(device=flat.device, dtype=flat.dtype) for s in sources], out=span)
-    if layout.summed:
+    if summed:
         return GatherInFlight(params, layout, flat, comm.start_all_reduce(flat))
+    if layout.route == "all_gather":
+        return GatherInFlight(params, layout, flat, comm.start_all_gather(flat, layout.slot))
     if own is None:
         return GatherInFlight(params, layout, flat, comm.start_broadcast_segments(flat, layout.spans))
     pending = [

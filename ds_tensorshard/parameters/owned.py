@@ -8,7 +8,7 @@ that protocol, so DeepSpeed's hooks, trace, prefetch and release run unchanged:
 - ``ds_tensor``: on the owner, the tensor itself (flat); on a rank that owns a dim-0 block of it, that block;
   elsewhere an empty placeholder. ``ts_blocks``: who owns which elements (:class:`~ds_tensorshard.datapath.plan.Block`).
 - ``all_gather_coalesced(params)``: one collective per dtype from the owners (:mod:`.gather`: a broadcast per
-  owner, or on accelerators one all-reduce where the cost model prices it faster); on the owner the
+  owner, or on accelerators one all-reduce or one all-gather where the cost model prices it better); on the owner the
   gathered parameter is its own ``ds_tensor`` again (nothing copied back at release).
 - ``partition()``: releases the gathered tensor on every rank (an empty ``.data``, as stock's); with
   ``has_been_updated`` the owner first keeps the new values.
@@ -29,7 +29,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
 from ds_tensorshard.datapath.plan import Block
-from ds_tensorshard.datapath.stage3_cost import sum_gather_faster
+from ds_tensorshard.datapath.stage3_cost import gather_route
 from ds_tensorshard.parameters.gather import GatherInFlight, GatherLayout, start_gather
 from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.transports.protocol import Transport
@@ -179,10 +179,13 @@ class OwnedParameters:
         key = tuple(p.ds_id for p in batch)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = GatherLayout.of([p.ts_blocks for p in batch], self.rank)
-            if self.comm.device.type != "cpu":  # accelerators: one all-reduce where the model prices it faster
-                spans = [numel * batch[0].element_size() for _, _, numel in layout.spans]
-                layout.summed = sum_gather_faster(spans, self.comm.world_size)
+            blocks, n = [p.ts_blocks for p in batch], self.comm.world_size
+            layout = GatherLayout.of(blocks, self.rank)
+            if self.comm.device.type != "cpu":  # accelerators: the route the model prices best on every fabric
+                size = batch[0].element_size()
+                stock = sum(-(-p.ds_numel // n) * n for p in batch) * size  # stock ZeRO-3's all-gather of the batch
+                route = gather_route([numel * size for _, _, numel in layout.spans], stock, n)
+                layout = GatherLayout.of(blocks, self.rank, route, n)
             self._layouts[key] = layout
         return layout
 

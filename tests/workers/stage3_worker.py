@@ -193,8 +193,8 @@ def holdings(module: nn.Module) -> dict:
         "shapes": {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in named.items()},
         "persistent": sorted(n for n, p in named.items() if getattr(p, "ds_persist", False)),
         "homes": {n: p.ds_tensor.device.type for n, p in named.items() if hasattr(p, "ds_tensor")},
-        # ds_tensorshard's batches gathered so far, by route: one all-reduce (True) or a broadcast per owner
-        "summed_batches": [layout.summed for layout in _owned(named.values())._layouts.values()]
+        # ds_tensorshard's batches gathered so far, by route (broadcasts, all_reduce, all_gather)
+        "routes": [layout.route for layout in _owned(named.values())._layouts.values()]
         if _owned(named.values())
         else [],
     }
