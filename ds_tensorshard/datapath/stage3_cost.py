@@ -1,5 +1,5 @@
 """Communication per step at ZeRO stage 3, by the α-β model of :mod:`.cost_model`: stock ZeRO-3's against
-ds_tensorshard's (parameters owned whole, or in dim-0 blocks).
+ds_tensorshard's (parameters owned whole, or in dim-0 blocks), and the choices a run on accelerators makes by it.
 
 Both run DeepSpeed 0.19.8's ``PartitionedParameterCoordinator`` unchanged, so both gather the same batches:
 :func:`fetch_batches` replays it over a module trace (:func:`module_trace`) with its stock bounds
@@ -9,11 +9,18 @@ Both run DeepSpeed 0.19.8's ``PartitionedParameterCoordinator`` unchanged, so bo
 - stock ZeRO-3: one all-gather per batch of ``n x sum(ceil(numel / n))`` elements (``_all_gather_dtype``);
   gradients reduce-scattered in buckets of ``reduce_bucket_size`` (``reduce_scatter_coalesced``, each tensor
   padded to ``n``); after the step one all-gather per persistent parameter (``_allgather_params_coalesced``);
-- ds_tensorshard as :mod:`~ds_tensorshard.parameters.gather` issues it, on both transports: one rooted
-  broadcast per owner present in a batch (``per_owner``), the persistent parameters as one batch after the
-  step; gradients reduced as at stage 2 by the default stripes' reduce-scatters alone (no gather after the step);
-- ``grouped`` (not built): the same broadcasts in one launch per batch (an NCCL group, or an all-gather with
-  per-rank counts), priced as one chain's latency and the batch's bytes.
+- ds_tensorshard as :mod:`~ds_tensorshard.parameters.gather` issues it, on both transports: per batch a rooted
+  broadcast per owner present (``"per_owner"``, what CPU ranks run), or on accelerators the route
+  :func:`gather_route` chooses (a broadcast per owner, one all-reduce of the batch, or one all-gather of slots
+  as wide as the widest owner's span); the persistent parameters as one batch after the step; gradients reduced
+  as at stage 2 by the default stripes' reduce-scatters alone (no gather after the step).
+
+A whole tensor leaves its one owner: ``S / B`` at the owner's link where stock's all-gather moves
+``(n - 1) / n x S / B`` from each rank, and the all-reduce route ``2 S`` on a slow fabric. So where gathers are
+bandwidth-bound, a stage-3 plan on accelerators cuts the large tensors into a block of rows on every rank
+(:func:`cut_wanted`), and their batches go by all-gather, stock's own collective. A run cannot know its fabric:
+both choices are priced on each of :data:`~ds_tensorshard.datapath.cost_model.FABRICS` and the one whose ratio to
+stock's is lowest where it is highest is taken.
 
 The trace is an approximation: the modules that hold parameters, in registration order forward and in reverse
 backward; container modules (which hold none, but whose hooks also prefetch) and tied reuses are left out.

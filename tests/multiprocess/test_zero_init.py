@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import WORKERS
+from tests.helpers.compare import within_ulps
 from tests.helpers.ranks import run_ranks
 from tests.multiprocess.test_stage3 import MEMORY_BOUND, TIMEOUT_S, assert_same_training, loader
 from tests.workers.zero_init_worker import SCALED
@@ -201,7 +202,8 @@ def test_on_emulated_cuda_construction_and_training_as_on_the_cpu(runs, tmp_path
     """``zero.Init`` with the block on emulated CUDA under NCCL's rules (tests/helpers/emulated_cuda.py): the model
     built on the rank's device, each tensor kept by its construction owner there; what each rank holds, the values
     gathered after construction and after ``GatheredParameters`` writes, the gradients read and scaled, the
-    training and ``empty_partition_cache`` are the CPU run's bit for bit (the same kernels on the same data)."""
+    training and ``empty_partition_cache`` are the CPU run's bit for bit (the same kernels on the same data), the
+    norm within 2 ulps."""
     from tests.helpers.emulated_accelerator import EMULATED
 
     cases = [case("ts", v) for v in EMULATED_VARIANTS]
@@ -212,10 +214,16 @@ def test_on_emulated_cuda_construction_and_training_as_on_the_cpu(runs, tmp_path
             assert set(ours["built"]["homes"].values()) == {"cuda"}, (name, rank)
             assert ours["built"]["pieces"] == cpu["built"]["pieces"], (name, rank)
             assert ours["built"]["held_numel"] == cpu["built"]["held_numel"], (name, rank)
-            assert (ours["losses"], ours["norms"]) == (cpu["losses"], cpu["norms"]), (name, rank)
+            assert ours["losses"] == cpu["losses"], (name, rank)
+            # on accelerators the tensors of 100,000+ elements stay in their blocks (the CPU plans them whole): the
+            # norm's partial sums cover other elements, so it may be an ulp apart
+            assert all(within_ulps(a, b, 2) for a, b in zip(ours["norms"], cpu["norms"])), (name, rank)
             for key in ("initial", "modified", "params", "vectorized"):
                 assert ours.get(key, {}).keys() == cpu.get(key, {}).keys(), (name, key)
                 for k, value in cpu.get(key, {}).items():
                     assert torch.equal(ours[key][k].cpu(), value.cpu()), (name, rank, key, k)
-            assert ours.get("emptied") == cpu.get("emptied"), (name, rank)
+            if "emptied" in cpu:  # what a rank holds then is its own pieces: the plan's (the large tensors cut here)
+                held = [load(name, r)["emptied"]["held_after"] for r in range(N)]
+                assert sum(held) == sum(runs(name, r)["emptied"]["held_after"] for r in range(N)), (name, held)
+                assert {**ours["emptied"], "held_after": 0} == {**cpu["emptied"], "held_after": 0}, (name, rank)
             assert ours.get("fwd_module") == cpu.get("fwd_module"), (name, rank)
