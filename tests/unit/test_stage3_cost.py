@@ -112,7 +112,7 @@ def test_a_batch_gathered_by_all_gather_puts_each_ranks_span_in_its_slot():
             SimpleNamespace(ds_tensor=t, dtype=t.dtype, ds_shape=shape) for t, shape in zip(held[rank], [(6,), (2,)])
         ]
         gathers.append(start_gather(params, layouts[rank], Rank()))
-    for rank, flat in enumerate(flats):  # the all-gather: every rank's slot from its owner
+    for flat in flats:  # the all-gather: every rank's slot from its owner
         for other in (0, 1):
             flat[other * 5 : other * 5 + 5] = flats[other][other * 5 : other * 5 + 5].clone()
     for gathered in gathers:
