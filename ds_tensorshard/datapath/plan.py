@@ -148,7 +148,7 @@ def plan_ownership(
 
     A bare int is the element count of a 1-D tensor. ``loads``: elements each rank holds already (another
     plan's), which the balance counts; ``numel_per_rank`` then includes them. ``cut``: tensors kept in one block
-    of whole rows on every rank (:func:`even_row_blocks`), placed first.
+    of whole rows on every rank (:func:`even_row_blocks`), placed first (names not among ``tensors`` are ignored).
     """
     if world_size < 1:
         raise PlanError(f"world_size must be >= 1, got {world_size}")
@@ -162,7 +162,7 @@ def plan_ownership(
     numels = {name: math.prod(shape) for name, shape in shapes.items()}
     work = dict(work or {})
     placed, start, work_loads = _by_work(work, numels, world_size)
-    for name in sorted(cut - set(placed)):
+    for name in sorted(cut & shapes.keys() - placed.keys()):
         placed[name] = even_row_blocks(shapes[name], world_size)
         start = [load + block.numel for load, block in zip(start, placed[name])]
     if loads is not None:

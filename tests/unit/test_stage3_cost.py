@@ -184,3 +184,30 @@ def test_plan_stage3_json(capsys):
     assert [r["world_size"] for r in reports] == [64, 1024]
     assert all(r["stage"] == 3 and r["memory"]["parameters_fullest_over_ideal"] <= 1.02 for r in reports)
     assert reports[1]["communication"]["default"]["time_ratio"] <= 1.0
+
+
+def test_a_stage3_plan_on_accelerators_cuts_large_tensors_but_not_whole_matrices_nor_on_the_cpu():
+    """2 ranks: the two 131,072-element matrices (one frozen) are cut into a block of rows on each rank on
+    accelerators, with an element-wise optimizer; with one that updates whole matrices the trained one stays
+    whole; CPU ranks keep stage 2's plan."""
+    from ds_tensorshard.datapath.placement import plan_for
+    from ds_tensorshard.parameters.ownership import plan_parameters
+
+    module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    module[1].weight.requires_grad_(False)
+    trained = [p for p in module.parameters() if p.requires_grad]
+
+    class WholeMatrices(torch.optim.Optimizer):  # not known to be element-wise: needs each matrix whole
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    elementwise = torch.optim.AdamW(trained)
+    plan = plan_parameters(module, elementwise, trained, 2, "auto", on_accelerator=True).kept
+    assert plan.blocks["0.weight"] == (Block(0, 0, 65_536), Block(1, 65_536, 131_072))
+    assert plan.blocks["1.weight"] == (Block(0, 0, 65_536), Block(1, 65_536, 131_072))  # frozen, cut too
+    assert all(len(plan.blocks[name]) == 1 for name in ("0.bias", "1.bias"))
+    whole = plan_parameters(module, WholeMatrices(trained), trained, 2, "auto", on_accelerator=True).kept
+    assert len(whole.blocks["0.weight"]) == 1 and len(whole.blocks["1.weight"]) == 2  # the frozen one is cut
+    on_cpu = plan_parameters(module, elementwise, trained, 2, "auto", on_accelerator=False)
+    names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+    assert on_cpu.trained.blocks == plan_for(elementwise, names, 2, "auto", None).blocks  # stage 2's plan
