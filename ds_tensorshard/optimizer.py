@@ -11,6 +11,7 @@ data-parallel group's for dense tensors, and one per expert group for the expert
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -146,8 +147,11 @@ class TensorShardOptimizer(CheckpointMethods, CoalesceMethods, OffloadMethods, R
         where = (self.accum_dtype, engine.device, self.host)
         self.shard = OwnedShard(self.optimizer, owned, *where, counted, dtype, self.storage, self.keeps_gradients)
         keep_owned_state(self.optimizer, self.shard.masters.values(), eager_state)
-        buckets = functools.partial(all_buckets, self.domains)
-        self.offload = StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)
+        self.offload = self._state_offload(functools.partial(all_buckets, self.domains))
+
+    def _state_offload(self, buckets: Callable[[], Iterable[Bucket]]) -> StateOffload:
+        """What ``engine.offload_states()`` moves, and how."""
+        return StateOffload(self.shard, self.params, buckets, self.domains[DENSE].flat)
 
     def _start_reducing(self, engine: DeepSpeedEngine, config: TensorShardConfig) -> None:
         coalescing = lambda: self._coalesce_grad_reduction  # noqa: E731

@@ -14,6 +14,7 @@ An engine without an optimizer (a reference or inference model) has nothing to r
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,15 +28,18 @@ from ds_tensorshard.checkpoints.optimizer_state import rank_file
 from ds_tensorshard.checkpoints.sources import CheckpointSource
 from ds_tensorshard.config import TensorShardConfig
 from ds_tensorshard.config.schema import BLOCK
+from ds_tensorshard.datapath.buckets import Bucket
 from ds_tensorshard.datapath.domains import DENSE, Domain
+from ds_tensorshard.datapath.offload import StateOffload
 from ds_tensorshard.datapath.placement import in_model_order, trainable_groups
 from ds_tensorshard.datapath.plan import Block
-from ds_tensorshard.errors import CallRefusedAsStock, TensorShardConfigError, TensorShardUsageError
+from ds_tensorshard.errors import TensorShardConfigError, TensorShardUsageError
 from ds_tensorshard.optimizer import TensorShardOptimizer
 from ds_tensorshard.parameters.accessors import owned_grad
 from ds_tensorshard.parameters.init_hooks import owning
 from ds_tensorshard.parameters.owned import OwnedParameters
 from ds_tensorshard.parameters.ownership import ParameterPlan, plan_parameters
+from ds_tensorshard.parameters.state_offload import Stage3StateOffload
 from ds_tensorshard.parameters.zero_param import ZeroParam
 from ds_tensorshard.phase import Phase
 from ds_tensorshard.transports import open_transport
@@ -277,10 +281,8 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         if self.persistent_parameters:
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
-    def offload_states(self, *args: Any, **kwargs: Any) -> None:
-        raise CallRefusedAsStock(
-            "engine.offload_states() at ZeRO stage 3 with ds_tensorshard is not supported yet: its parameters are "
-            "kept by their owners; disable 'tensorshard.enabled' to use it"
-        )
-
-    reload_states = offload_states
+    def _state_offload(self, buckets: Callable[[], Iterable[Bucket]]) -> StateOffload:
+        """``offload_states`` moves what each rank keeps of every parameter (its ``ds_tensor``), after releasing
+        the gathered ones; a reload gathers the persistent ones again (as stock's stage 3)."""
+        model, persistent = list(self.parameter_names), self.persistent_parameters
+        return Stage3StateOffload(self.shard, self.params, buckets, model, self.empty_partition_cache, persistent)

@@ -108,12 +108,7 @@ class StateOffload:
                 if param not in shard.views:
                     master.data = moved(master.data)
         elif state is OffloadStateTypeEnum.lp_params:
-            if self.flat is not None:
-                self.flat.move(moved)
-            for param in self.params:
-                if self.flat is None or param not in self.flat:
-                    param.data = moved(param.data)
-            self.homes.follow()
+            self._move_model(moved)
             shard.relink_views()
         elif state is OffloadStateTypeEnum.lp_grads:
             shard.move_grads(moved)
@@ -125,6 +120,15 @@ class StateOffload:
         shard.forget_views()
         for bucket in self.buckets():
             bucket.forget_views()
+
+    def _move_model(self, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The model's tensors (``lp_params``) to where ``moved`` puts them."""
+        if self.flat is not None:
+            self.flat.move(moved)
+        for param in self.params:
+            if self.flat is None or param not in self.flat:
+                param.data = moved(param.data)
+        self.homes.follow()
 
 
 def _moved(tensor: torch.Tensor, device: torch.device, pin_memory: bool, non_blocking: bool) -> torch.Tensor:

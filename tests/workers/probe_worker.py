@@ -60,8 +60,15 @@ def train(engine: Any, rank: int, steps: int, first: int = 0) -> list[float]:
 
 
 def offload_states(rank: int, world: int, mode: str) -> dict:
-    engine = engine_of(ds_config("fp32", mode, 2, world))
+    stage = int(os.environ.get("PROBE_STAGE", "2"))
+    engine = engine_of(ds_config("fp32", mode, stage, world))
     accelerator, optimizer = get_accelerator(), engine.optimizer
+
+    def kept() -> list[torch.Tensor]:
+        """What this rank keeps of the model: the trained tensors (stock's bit16_groups), at stage 3 every
+        parameter's ds_tensor (its owned block; an empty placeholder where it owns none)."""
+        return [p.ds_tensor for p in engine.module.parameters()] if stage == 3 else list(optimizer.params)
+
     losses = train(engine, rank, 2)
     before = (accelerator.memory_allocated(), accelerator.memory_reserved())
     engine.offload_states()
@@ -72,13 +79,13 @@ def offload_states(rank: int, world: int, mode: str) -> dict:
     if mode == "ts":
         states = [t for s in optimizer.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
         result["offloaded"] = {
-            "params": sorted({str(p.device) for p in optimizer.params}),  # the trained ones, as stock's bit16_groups
+            "params": sorted({str(t.device) for t in kept()}),
             "masters": sorted({str(m.device) for m in optimizer.shard.masters.values()}),
             "optimizer state": sorted({str(t.device) for t in states}),
-            "pinned": all(t.is_pinned() for t in [*states, *optimizer.params]),
+            "pinned": all(t.is_pinned() for t in [*states, *kept()] if t.numel()),
         }
     engine.reload_states()
-    result["reloaded"] = sorted({str(p.device) for p in engine.module.parameters() if p.requires_grad})
+    result["reloaded"] = sorted({str(t.device) for t in kept() if t.requires_grad or stage == 3})
     result["losses"] = losses + train(engine, rank, 2, first=100)
     return result
 
