@@ -74,6 +74,10 @@ class StateOffload:
     ) -> None:
         """Move the states in ``include`` (all when None) that are still on the device to ``device`` (into
         page-locked host memory with ``pin_memory``, as stock), then free the device memory they held."""
+        self._move_out(self._chosen(include), device, pin_memory, non_blocking)
+
+    def _chosen(self, include: Container[OffloadStateTypeEnum] | None) -> list[OffloadStateTypeEnum]:
+        """The states of ``include`` still on the device; those ZeRO-Offload keeps on the host are refused."""
         chosen = [s for s in OffloadStateTypeEnum if s not in self.offloaded and (include is None or s in include)]
         resident = [s.name for s in chosen if s in HOST_RESIDENT and self.shard.host is not None]
         if resident:
@@ -83,6 +87,11 @@ class StateOffload:
                 "would move them to the accelerator, where it cannot. Offload what is on the accelerator: "
                 "engine.offload_states(include=[OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads])"
             )
+        return chosen
+
+    def _move_out(
+        self, chosen: Sequence[OffloadStateTypeEnum], device: str, pin_memory: bool, non_blocking: bool
+    ) -> None:
         for state in chosen:
             self._move(state, lambda t: _moved(t, torch.device(device), pin_memory, non_blocking))
             self.offloaded.add(state)

@@ -38,8 +38,9 @@ class Stage3StateOffload(StateOffload):
     def offload(
         self, include: Container[OffloadStateTypeEnum] | None, device: str, pin_memory: bool, non_blocking: bool
     ) -> None:
+        chosen = self._chosen(include)  # a refusal touches nothing
         self.release()
-        super().offload(include, device, pin_memory, non_blocking)
+        self._move_out(chosen, device, pin_memory, non_blocking)
 
     def reload(self, device: torch.device, non_blocking: bool) -> None:
         super().reload(device, non_blocking)
