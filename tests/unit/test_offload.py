@@ -101,3 +101,31 @@ def test_each_state_alone_moves_and_training_continues_bit_for_bit(state):
     assert steps(plain, 2, seed=2) == steps(moved, 2, seed=2)
     for p, q in zip(plain.module.parameters(), moved.module.parameters()):
         assert torch.equal(p, q)
+
+
+def test_stage3_moves_each_ranks_ds_tensors_releases_and_gathers_again_and_training_continues_bit_for_bit():
+    """Stage 3 (one rank: it owns every tensor): the model's tensors are the parameters' ds_tensors, which move
+    (to fresh memory); engine.offload_states() first releases the gathered parameters, the persistent ones too,
+    and reload_states() gathers those again; training then goes on bit for bit. With ZeRO-Offload, the refusal
+    of the host-resident states comes before anything is released."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    plain, moved = make_engine("fp32", stage=3), make_engine("fp32", stage=3)
+    assert steps(plain, 1, seed=1) == steps(moved, 1, seed=1)
+    params = list(moved.module.parameters())
+    before = [p.ds_tensor.data_ptr() for p in params]
+    moved.optimizer.offload._move(OffloadStateTypeEnum.lp_params, lambda t: t.clone())
+    assert all(p.ds_tensor.data_ptr() != b for p, b in zip(params, before))
+    persistent = moved.optimizer.persistent_parameters
+    assert persistent and all(p.ds_status is ZeroParamStatus.AVAILABLE for p in persistent)
+    moved.offload_states()
+    assert all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in persistent)
+    moved.reload_states()
+    assert all(p.ds_status is ZeroParamStatus.AVAILABLE for p in persistent)
+    assert steps(plain, 2, seed=2) == steps(moved, 2, seed=2)
+    offloaded = make_engine("fp32", mode="ts-offload", stage=3)
+    steps(offloaded, 1, seed=1)
+    with pytest.raises(TensorShardUsageError, match="with ZeRO-Offload"):
+        offloaded.optimizer.offload_states()
+    kept = offloaded.optimizer.persistent_parameters
+    assert kept and all(p.ds_status is ZeroParamStatus.AVAILABLE for p in kept)
