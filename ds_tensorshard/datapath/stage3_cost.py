@@ -210,7 +210,7 @@ def cut_wanted(shapes: Sequence[Sequence[int]], n: int, element_bytes: int) -> b
         return [t for numel in numels for t in route_times(route, [numel * element_bytes], n, net)]
 
     def stock(net: Network) -> list[Time]:
-        return [all_gather(-(-numel // n) * n * element_bytes, n, net) for numel in numels]
+        return [all_gather(padded_bytes(numels, [i], n, element_bytes), n, net) for i in range(len(numels))]
 
     worst = {route: worst_ratio(functools.partial(times, route), stock) for route in ROUTES}
     return worst["all_gather"] <= min(worst["broadcasts"], worst["all_reduce"])

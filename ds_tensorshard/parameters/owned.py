@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
+from ds_tensorshard.datapath.cost_model import padded_bytes
 from ds_tensorshard.datapath.plan import Block
 from ds_tensorshard.datapath.stage3_cost import gather_route
 from ds_tensorshard.parameters.gather import GatherInFlight, GatherLayout, start_gather
@@ -183,7 +184,7 @@ class OwnedParameters:
             layout = GatherLayout.of(blocks, self.rank)
             if self.comm.device.type != "cpu":  # accelerators: the route the model prices best on every fabric
                 size = batch[0].element_size()
-                stock = sum(-(-p.ds_numel // n) * n for p in batch) * size  # stock ZeRO-3's all-gather of the batch
+                stock = padded_bytes([p.ds_numel for p in batch], range(len(batch)), n, size)  # stock's all-gather
                 route = gather_route([numel * size for _, _, numel in layout.spans], stock, n)
                 layout = GatherLayout.of(blocks, self.rank, route, n)
             self._layouts[key] = layout
