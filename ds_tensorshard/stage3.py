@@ -121,21 +121,6 @@ def _unplanned(param: torch.nn.Parameter) -> tuple[Block, ...]:
     )
 
 
-def refuse_kept_gradient_offloaded(
-    kept: set[int], params: list[torch.nn.Parameter], names: dict[torch.nn.Parameter, str]
-) -> None:
-    """With ZeRO-Offload stock ZeRO-3 updates a tensor that got no gradient since the last step (but did before)
-    with its last clipped gradient, left out of the norm: ds_tensorshard refuses what it would not follow."""
-    name = next((names[p] for p in params if id(p) in kept), None)
-    if name is not None:
-        raise TensorShardUsageError(
-            f"ds_tensorshard: '{name}' got no gradient since the last step but did before; at ZeRO stage 3 with "
-            "offload_optimizer stock DeepSpeed updates it with its last clipped gradient, left out of the norm, "
-            "which ds_tensorshard does not follow. Use every trained parameter in each step, or disable "
-            "offload_optimizer"
-        )
-
-
 def ds_tensor_of(param: torch.nn.Parameter, block: Block) -> torch.Tensor:
     """Where the owner keeps its block at stage 3: the parameter's ``ds_tensor``."""
     return param.ds_tensor  # type: ignore[attr-defined]
@@ -171,9 +156,10 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         # as stock's: the backwards since the step (counted at the next forward); at 0 the next backward's gradients
         # replace the kept ones, from the second on they add
         self.micro_step_id, self._backward_ran = 0, False
-        # ids of the tensors whose gradients arrived: since the last step, and in any earlier step (ZeRO-Offload)
-        self._arrived: set[int] = set()
-        self._arrived_before: set[int] = set()
+        # ZeRO-Offload: ids of the tensors whose gradients reach the host this step, as stock copies them: those
+        # reduced in a backward at the accumulation boundary, or in any backward with unmanaged accumulation
+        self._to_host: set[int] = set()
+        self._managed = bool(getattr(engine, "managed_gradient_accumulation", lambda: True)())
         self.reducer.deliver = self._replacing(self.reducer.deliver)
 
     def _replacing(self, deliver: Any) -> Any:
@@ -188,7 +174,8 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         return deliver_replacing
 
     def _reduce_to_owners(self) -> None:
-        self._arrived |= self.reducer.seen
+        if self._at_boundary() or not self._managed:
+            self._to_host |= self.reducer.seen
         super()._reduce_to_owners()
         self._backward_ran = True
 
@@ -219,16 +206,21 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         if self.persistent_parameters:
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
+    def prepare_step(self, defer_broadcast: bool = False) -> None:
+        """Stage 2's, where with ZeRO-Offload a tensor whose gradient stock leaves off the host this step (none
+        reduced at the accumulation boundary) keeps its last step's, clipped, and stays out of the norm
+        (:meth:`OwnedGradients.hold`)."""
+        if self.host is not None:
+            self.shard.grads.hold(p for p in self.params if id(p) not in self._to_host)
+        super().prepare_step(defer_broadcast)
+
     def step(self, closure: Any = None) -> None:
         """Every parameter released (as stock's step begins), then the step of stage 2 without its broadcast. The
         owners keep each gradient until a backward brings another (a tensor that gets none in a step is updated
-        with its last one, as stock's ZeRO-3)."""
+        with its last one, as stock's ZeRO-3; with ZeRO-Offload see :meth:`prepare_step`)."""
         self._partition_all_parameters()
-        if self.host is not None:
-            refuse_kept_gradient_offloaded(self._arrived_before - self._arrived, self.params, self.names)
-        self._arrived_before |= self._arrived
-        self._arrived = set()
         super().step(closure)
+        self._to_host = set()
         self.micro_step_id, self._backward_ran = 0, False
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -82,6 +82,9 @@ class OwnedGradients:
         self.keeps = keeps
         self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
         self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
+        # stage 3 with ZeRO-Offload: the tensors that got no gradient since the last step keep their step gradient,
+        # the last one clipped, and the norm leaves them out (:meth:`hold`)
+        self.held: set[torch.nn.Parameter] = set()
         self.accumulated = False  # a gradient was added or set since the last zero()
         self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
         self.sections: list[Section] = []
@@ -144,6 +147,34 @@ class OwnedGradients:
             self._master_views[param] = view
         return view
 
+    def hold(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """The owned ``params`` that got no gradient since the last step (of every owned tensor, each step): their step
+        gradients stay as the last step left them, unscaled and clipped, and the norm leaves them out (stock ZeRO-3
+        with ZeRO-Offload keeps its host gradient so, clipped in place, and sums the norm of those reduced since)."""
+        self.held = {p for p in params if p in self.section_of}
+
+    def _runs(self, section: Section, stop: int | None = None) -> list[tuple[int, int]]:
+        """The ranges of ``section`` (up to ``stop``) that hold no :attr:`held` tensor, as ``(start, stop)``."""
+        end = section.buffer.numel() if stop is None else stop
+        runs: list[tuple[int, int]] = []
+        for param, start in section.offset.items():  # in buffer order
+            if param in self.held or start >= end:
+                continue
+            until = min(start + self.blocks[param].numel, end)
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], until)
+            else:
+                runs.append((start, until))
+        return runs
+
+    def _copy(self, section: Section, source: torch.Tensor, target: torch.Tensor) -> None:
+        """``target`` of ``section`` from ``source``, but for the held tensors' ranges."""
+        if not self.held:
+            target.copy_(source)
+            return
+        for start, stop in self._runs(section):
+            target[start:stop].copy_(source[start:stop])
+
     @torch.no_grad()
     def narrow(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         """The step's gradients cast into the masters' dtype where it is narrower (bf16 masters, fp32
@@ -159,7 +190,7 @@ class OwnedGradients:
         self.narrowed = True
         for section in self.sections:
             if section.grad is not section.step:
-                section.grad.copy_(section.step)
+                self._copy(section, section.step, section.grad)
 
     def _destinations(self, segment: Segment) -> tuple[list[torch.Tensor], list[int], list[bool]]:
         """The buffer views a segment's pieces are added into, the pieces' sizes and whether each is kept in host
@@ -219,7 +250,7 @@ class OwnedGradients:
             self.settle()
             for section in self.sections:
                 if section.step is not section.buffer:
-                    section.step.copy_(section.buffer)
+                    self._copy(section, section.buffer, section.step)
             return
         for param in params:
             if self.section_of[param].step is not self.section_of[param].buffer:
@@ -232,7 +263,7 @@ class OwnedGradients:
         order; the buffers' sums added in order where the first buffer is (with ZeRO-Offload, those of the
         Muon matrices' buffers brought to the host together first). Returned on ``far`` (where the sum over
         ranks is made)."""
-        sums = [(s.group, s.on_host, _sum_of_squares(s.step[: s.counted])) for s in self.sections]
+        sums = [(s.group, s.on_host, self._squares(s)) for s in self.sections]
         if not sums:
             return torch.zeros(groups, dtype=torch.float64, device=far)
         home = sums[0][2].device
@@ -244,6 +275,15 @@ class OwnedGradients:
         for group, _, value in sums:
             totals[group] += value
         return totals.to(far)
+
+    def _squares(self, section: Section) -> torch.Tensor:
+        """The fp64 sum of squares of ``section``'s counted step gradients, the held tensors' left out."""
+        if not self.held:
+            return _sum_of_squares(section.step[: section.counted])
+        total = torch.zeros((), dtype=torch.float64, device=section.step.device)
+        for start, stop in self._runs(section, section.counted):
+            total += _sum_of_squares(section.step[start:stop])
+        return total
 
     @torch.no_grad()
     def scale(self, factor: float | torch.Tensor) -> None:

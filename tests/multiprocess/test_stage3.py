@@ -26,7 +26,6 @@ import torch
 from tests.helpers import WORKERS
 from tests.helpers.compare import TOLERANCE, assert_run_matches, within_ulps
 from tests.helpers.ranks import run_deepspeed_launcher, run_ranks
-from tests.workers.stage3_worker import GAS, STEPS
 
 WORKER = os.path.join(WORKERS, "stage3_worker.py")
 TIMEOUT_S = 400  # a hang (a rank skipping a collective its peers entered) fails here, not at the suite's limit
@@ -38,19 +37,21 @@ FP32_VARIANTS += ("frozenleaf", "repeat")
 TWO_RANKS = [("fp32", v) for v in FP32_VARIANTS] + [("bf16", "persist0"), ("fp16", "persist0")]
 # ZeRO-Offload of the optimizer, of the parameters, and both (HF's zero3_offload.json)
 TWO_RANKS += [("fp32", "offopt"), ("bf16", "persist0+offopt"), ("fp32", "offparam"), ("bf16", "offparam+offopt")]
+# ZeRO-Offload with modules that run in some micro-steps only: stock copies to the host the gradients reduced in a
+# step's last backward alone; one that got none there (the early branch, reduced in the first micro-step, or in the
+# last step not at all) keeps its last host gradient, clipped again by each step, and stays out of the norm
+TWO_RANKS += [("fp32", "offopt+branch")]
 # With ZeRO-Offload stock ZeRO-3 rounds each rank's sum of squares (its slices') to fp32 before the sum over ranks,
 # as ds_tensorshard does with its whole tensors': the partials differ, so the norm may be an ulp apart, and with it
 # the clip factor (measured: parameters within 4.2e-7 but the key bias, 7.1e-6; losses 9.5e-7): compare.py's fp32
 # tolerance there, bit for bit in bf16 (its norm and parameters measured identical)
-NOT_BIT_EXACT = {("fp32", "offopt")}
-# refused by ds_tensorshard where stock trains: a tensor sitting out a step with ZeRO-Offload (the last step's early
-# branch)
-REFUSED = [("fp32", "offopt+branch")]
+NOT_BIT_EXACT = {("fp32", "offopt"), ("fp32", "offopt+branch")}
 THREE_RANKS = [("fp32", "persist0")]
 EVERY = [
     ("fp32", v)
     for v in (*FP32_VARIANTS, "dsckpt", "nosync", "offopt", "offparam", "offparam+offopt", "tiled", "coalesce")
 ]
+EVERY += [("fp32", "offopt+branch"), ("bf16", "persist0+offopt+branch")]
 EVERY += [("fp32", v) for v in ("zerograd", "stepgrad", "offopt+zerograd+stepgrad")]
 EVERY += [(d, v) for d in ("bf16", "fp16") for v in ("", "persist0")]
 MPI_TWO_RANKS = [("fp32", "persist0")]
@@ -60,7 +61,9 @@ MPI_TWO_RANKS = [("fp32", "persist0")]
 KEY_BIAS = {f"blocks.{i}.qkv.bias": 1e-4 for i in (0, 1)}
 # At 3 ranks the sums run in another order: ds_tensorshard's in rank order (the shared-memory lane), stock ZeRO-3's
 # in gloo's ring. Measured on every case of EVERY: up to 1.05e-5 in fp32 (one element of 102,400, the tiled case)
-# and 2.01e-3 in fp16 (one element, about one fp16 ulp at |w| >= 2), beyond compare.py's tolerances: held to 2x
+# and 2.01e-3 in fp16 (one element, about one fp16 ulp at |w| >= 2), beyond compare.py's tolerances: held to 2x.
+# The default case (persist0) measured 1.05e-5 too on an AVX2-only CPU (one element of blocks.0.fc.weight; within
+# compare.py's 5e-6 on the AVX-512 machines before): the same bound
 ANOTHER_ORDER = {"fp32": 2e-5, "fp16": 4e-3}
 MEMORY_BOUND = 1.10  # the fullest rank's parameters, outside forward, over model/n (issue 46)
 
@@ -108,7 +111,7 @@ def stage3_runs(tmp_path_factory):
 
     def runs(n: int):
         if n not in loaders:
-            specs = TWO_RANKS + REFUSED if n == 2 else THREE_RANKS
+            specs = TWO_RANKS if n == 2 else THREE_RANKS
             stock2 = ["fp32:stock2"] if n == 2 else []
             cases = [case(d, "stock", v) for d, v in specs] + stock2 + [case(d, "ts", v) for d, v in specs]
             loaders[n] = launch(tmp_path_factory.mktemp(f"stage3_{n}"), n, cases, "deepspeed" if n == 2 else "ranks")
@@ -159,20 +162,9 @@ def test_two_ranks_train_as_stock_zero3(stage3_runs):
     assert_pairs(stage3_runs(2), 2, TWO_RANKS)
 
 
-def test_a_tensor_sitting_out_a_step_with_zero_offload_is_refused(stage3_runs):
-    """With ZeRO-Offload stock ZeRO-3 updates a tensor that got no gradient in a step (but did before) with its last
-    clipped gradient, left out of the norm: ds_tensorshard refuses that step, naming the tensor; stock trains on."""
-    for dtype, variant in REFUSED:
-        for rank in range(2):
-            stock, ours = (stage3_runs(2)(case(dtype, mode, variant), rank) for mode in ("stock", "ts"))
-            assert stock["step_refused"] is None and len(stock["losses"]) == STEPS * GAS
-            assert "'early_branch.weight' got no gradient since the last step" in ours["step_refused"], rank
-            assert len(ours["losses"]) == (STEPS - 1) * GAS + 1, rank  # refused at the last step
-
-
 def test_three_ranks_train_as_stock_zero3(stage3_runs):
-    """fp32, threshold 0: within compare.py's tolerances (three values summed in another order than stock's)."""
-    assert_pairs(stage3_runs(3), 3, THREE_RANKS)
+    """fp32, threshold 0: within :data:`ANOTHER_ORDER` (three values summed in another order than stock's)."""
+    assert_pairs(stage3_runs(3), 3, THREE_RANKS, atols=ANOTHER_ORDER)
 
 
 def test_three_ranks_fullest_rank_holds_at_most_its_share(stage3_runs):

@@ -147,6 +147,42 @@ def test_owned_shard_accumulates_segments_clips_steps_and_writes_back():
     assert torch.equal(master.grad, torch.zeros(2, 2))  # the next step accumulates from zero
 
 
+def test_held_gradients_keep_the_last_clipped_one_and_stay_out_of_the_norm():
+    """Stage 3 with ZeRO-Offload: a held tensor keeps its step gradient as the last step left it (clipped), is
+    clipped again, and its squares are left out; the others take their new gradient."""
+    from ds_tensorshard.datapath.buckets import Piece, Segment
+    from ds_tensorshard.datapath.host import HostMemory
+
+    a, b, c = params((2,), (3,), (2,))
+    optimizer = torch.optim.SGD([a, b, c], lr=1.0)
+    blocks = [(a, Block(0, 0, 2)), (b, Block(0, 0, 3)), (c, Block(0, 0, 2))]
+    shard = OwnedShard(optimizer, [blocks], torch.float32, torch.device("cpu"), HostMemory(False), keeps=True)
+    segments = {p: Segment(0, 0, p.numel(), (Piece(p, 0, p.numel()),)) for p in (a, b, c)}
+
+    def backward(values: dict) -> None:
+        for param, value in values.items():
+            shard.grads.restart(segments[param], lambda _: True)
+            shard.grads.accept(segments[param], torch.full((param.numel(),), value))
+
+    backward({a: 1.0, b: 2.0, c: 3.0})
+    shard.gradients_to_masters()
+    assert float(shard.squared_grad_norms()[0]) == 2 + 12 + 18
+    shard.scale_grads(0.5)
+    shard.step()
+    shard.drop_grads()
+    backward({a: 4.0, c: 5.0})  # b sits out
+    shard.grads.hold([b])
+    shard.gradients_to_masters()
+    assert torch.equal(shard.step_gradient(b), torch.full((3,), 1.0))  # its last, clipped
+    assert float(shard.squared_grad_norms()[0]) == 32 + 50  # b left out
+    shard.scale_grads(0.5)
+    assert torch.equal(shard.step_gradient(b), torch.full((3,), 0.5))  # clipped again
+    assert torch.equal(shard.step_gradient(c), torch.full((2,), 2.5))
+    shard.grads.hold([])
+    shard.gradients_to_masters()
+    assert torch.equal(shard.step_gradient(b), torch.full((3,), 2.0))  # not held: its kept (raw) gradient
+
+
 def test_gather_writes_the_other_owners_pieces_and_sends_its_own():
     a, b = params((3,), (5,))
     owners = {id(a): 0, id(b): 1}
