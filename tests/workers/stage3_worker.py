@@ -48,9 +48,10 @@ VOCAB, WIDTH = 1024, 160
 # MLP's parameters ds_grad_is_ready False for the first); coalesce: each step's GAS backwards in one
 # engine.coalesce_grad_reduction() block (gradient_accumulation_steps 1, the boundary set on the last), one step();
 # repeat: the last micro-step's forward and backward run again before engine.step() (stock ZeRO-3 adds the second
-# backward's gradients: its micro_step_id)
+# backward's gradients: its micro_step_id); unmanaged: managed_gradient_accumulation false, engine.step() called
+# after each step's last micro-step only (the boundary)
 FLAGS = ("persist0", "twice", "root", "ckpt", "dsckpt", "evalnograd", "nosync", "offopt", "offparam", "zerograd")
-FLAGS += ("stepgrad", "branch", "frozenleaf", "tiled", "coalesce", "repeat")
+FLAGS += ("stepgrad", "branch", "frozenleaf", "tiled", "coalesce", "repeat", "unmanaged")
 OFFLOAD_FLAGS = {"offopt", "offparam"}
 MODES = ("stock", "stock2", "ts", "tsmpi")
 CHECKPOINT = {"ckpt": "non_reentrant", "dsckpt": "deepspeed"}
@@ -148,6 +149,8 @@ def ds_config(dtype: str, mode: str, flags: set[str], world: int) -> dict:
         config["bf16"] = {"enabled": True}
     if dtype == "fp16":  # 2**20 overflows the first step: skipped, with the scheduler
         config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000, "hysteresis": 1}
+    if "unmanaged" in flags:
+        config["managed_gradient_accumulation"] = False
     if "coalesce" in flags:  # the block's backwards are one step's; the boundary is set on its last
         config.update(gradient_accumulation_steps=1, train_batch_size=MICRO_BATCH * world)
     if mode in ("ts", "tsmpi"):
@@ -237,7 +240,8 @@ def train(engine, flags: set[str], rank: int) -> dict:
             averaged = averaged_parts(engine)
         if "stepgrad" in flags and (micro + 1) % GAS == 0:
             engine.optimizer.zero_grad()
-        engine.step()
+        if "unmanaged" not in flags or (micro + 1) % GAS == 0:
+            engine.step()
         losses.append(loss.item())
         if (micro + 1) % GAS == 0:
             norms.append(float(engine.get_global_grad_norm() or 0.0))
