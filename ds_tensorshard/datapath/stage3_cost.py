@@ -189,7 +189,9 @@ def worst_ratio(ours: Callable[[Network], Sequence[Time]], stock: Callable[[Netw
 def gather_route(spans: Sequence[int], stock_bytes: int, n: int) -> GatherRoute:
     """The route of a batch whose owners hold ``spans`` bytes (stock's all-gather of it: ``stock_bytes``) on
     accelerators: the one furthest below stock's on the fabric where it fares worst (ties: the earlier of
-    :data:`ROUTES`)."""
+    :data:`ROUTES`). One rank (``offload_param`` copies its tensors in) has no collective to price: broadcasts."""
+    if n == 1:
+        return ROUTES[0]
     stock = lambda net: [all_gather(stock_bytes, n, net)]  # noqa: E731
     return min(ROUTES, key=lambda route: worst_ratio(functools.partial(route_times, route, spans, n), stock))
 

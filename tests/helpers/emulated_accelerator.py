@@ -304,6 +304,29 @@ def _threads_on_the_device() -> None:
     threading.Thread.run = run  # type: ignore[method-assign]
 
 
+def _indexless_cuda_is_the_current_device(accelerator: EmulatedCudaAccelerator) -> None:
+    """CUDA reads ``.to("cuda")`` (no index) as the current device; a CPU-only build refuses that device in its
+    argument parser, before dispatch: here it becomes ``cuda:N`` (stock ZeRO-3's gathers move so)."""
+    if getattr(torch.Tensor.to, "_emulated", False):
+        return
+    original = torch.Tensor.to
+
+    def current(device: Any) -> Any:
+        if isinstance(device, (str, torch.device)) and torch.device(device) == torch.device("cuda"):
+            return accelerator.current_device_name()
+        return device
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            args = (current(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = current(kwargs["device"])
+        return original(self, *args, **kwargs)
+
+    to._emulated = True  # type: ignore[attr-defined]
+    torch.Tensor.to = to  # type: ignore[method-assign]
+
+
 def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     """Emulated CUDA for this process (see the module docstring); returns the accelerator."""
     from deepspeed.accelerator import set_accelerator
@@ -319,6 +342,7 @@ def install(device_count: int | None = None) -> EmulatedCudaAccelerator:
     count = device_count or int(os.environ.get("EMULATED_CUDA_DEVICES", os.environ.get("LOCAL_WORLD_SIZE", 1)))
     accelerator = EmulatedCudaAccelerator(count)
     set_accelerator(accelerator)
+    _indexless_cuda_is_the_current_device(accelerator)
     _fused_adam_on_host_data()
     if os.environ.get("EMULATED_CUDA_AWARE_MPI") == "1":  # the MPI takes device buffers (their host data here)
         from ds_tensorshard.transports import mpi_comm

@@ -131,6 +131,10 @@ def test_accelerators_take_the_route_the_model_prices_best():
     owned.comm = SimpleNamespace(rank=0, world_size=1024, device=torch.device("cpu"))
     owned._layouts.clear()
     assert owned.layout_of(batch).route == "broadcasts"  # CPU ranks keep the broadcasts
+    # one accelerator (offload_param copies its tensors in through a gather): nothing to price, no division by zero
+    owned.comm = SimpleNamespace(rank=0, world_size=1, device=torch.device("meta"))
+    owned._layouts.clear()
+    assert owned.layout_of(batch).route == "broadcasts"
 
 
 @pytest.mark.parametrize("network", NETWORKS)

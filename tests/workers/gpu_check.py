@@ -102,7 +102,8 @@ def check_checkpoint(out: str) -> str:
 def check_stage3(out: str) -> str:
     """ZeRO stage 3 with owned parameters against stock ZeRO-3 (fp32 at both persistence thresholds, checkpointed
     blocks, bf16; tests/workers/stage3_worker.py), then the step of a bf16 GPT: seconds, peak memory, ATen
-    operators and host syncs of ``engine.step()`` against stock ZeRO-3's."""
+    operators and host syncs of ``engine.step()`` against stock ZeRO-3's; with ``offload_param`` its peak device
+    memory at most stock's."""
     variants = [("fp32", ""), ("fp32", "persist0"), ("fp32", "ckpt"), ("bf16", "persist0")]
     name = lambda d, m, v: f"{d}:{m}:{v}" if v else f"{d}:{m}"  # noqa: E731
     pairs = [(name(d, "ts", v), name(d, "stock", v)) for d, v in variants]
@@ -110,17 +111,28 @@ def check_stage3(out: str) -> str:
     env = {**ON_GPU, "PROBE_STAGE": "3", **({"PROBE_WIDTH": "256", "PROBE_LAYERS": "2"} if EMULATED else {})}
     ours, stock = probe("step", out, "ts", env), probe("step", out, "stock", env)
     assert ours["host_syncs_per_step"] <= stock["host_syncs_per_step"], (ours, stock)
+    # offload_param (issue 47): the owners' tensors in host memory, on the device only inside a gather
+    off = {**env, "PROBE_OFFLOAD_PARAM": "1"}
+    ours_off, stock_off = (
+        probe("step", out, "ts", off, "offload_param"),
+        probe("step", out, "stock", off, "offload_param"),
+    )
+    assert ours_off["peak_bytes"] <= stock_off["peak_bytes"], (ours_off["peak_bytes"], stock_off["peak_bytes"])
     return (
-        f"{figure}; {ours['params'] / 1e9:.2f}B step {ours['step_s'] * 1e3:.1f} ms vs stock "
+        f"{figure}; offload_param peak {ours_off['peak_bytes'] / stock_off['peak_bytes']:.2f}x "
+        f"({ours_off['peak_bytes'] / 2**30:.2f} GiB vs {stock_off['peak_bytes'] / 2**30:.2f}); "
+        f"{ours['params'] / 1e9:.2f}B step {ours['step_s'] * 1e3:.1f} ms vs stock "
         f"{stock['step_s'] * 1e3:.1f} ({ours['step_s'] / stock['step_s']:.2f}x), peak "
         f"{ours['peak_bytes'] / stock['peak_bytes']:.2f}x; step ops {ours['aten_ops_per_step']} vs "
         f"{stock['aten_ops_per_step']}, host syncs {ours['host_syncs_per_step']} vs {stock['host_syncs_per_step']}"
     )
 
 
-def probe(check: str, out: str, mode: str, env: dict | None = None) -> dict:
-    run_ranks([os.path.join(WORKERS, "probe_worker.py"), check, f"{out}/{check}_{mode}", mode], 1, env=env or ON_GPU)
-    with open(f"{out}/{check}_{mode}.rank0.json") as f:
+def probe(check: str, out: str, mode: str, env: dict | None = None, tag: str = "") -> dict:
+    """One rank of probe_worker.py's ``check`` in ``mode``; ``tag`` names a second run of the same check apart."""
+    path = f"{out}/{check}_{mode}{'_' + tag if tag else ''}"
+    run_ranks([os.path.join(WORKERS, "probe_worker.py"), check, path, mode], 1, env=env or ON_GPU)
+    with open(f"{path}.rank0.json") as f:
         return json.load(f)
 
 

@@ -9,7 +9,7 @@ reserved, as torch.cuda's caching allocator reports them), where each state went
 recorded with whether it blocks the host and whether it ran inside a gradient hook, and so is every host sync
 (``.item()``, a blocking device-to-host copy, a stream or event synchronize) inside a hook.
 ``step``: a GPT of ``PROBE_WIDTH`` x ``PROBE_LAYERS`` (default about 1B parameters) in bf16 at this world size,
-ZeRO stage ``PROBE_STAGE`` (default 2):
+ZeRO stage ``PROBE_STAGE`` (default 2; at 3 ``PROBE_OFFLOAD_PARAM=1`` adds ``offload_param`` device cpu, pinned):
 seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
 ``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage ``PROBE_STAGE``
@@ -203,6 +203,8 @@ def step(rank: int, world: int, mode: str) -> dict:
     width, layers = int(os.environ.get("PROBE_WIDTH", 2048)), int(os.environ.get("PROBE_LAYERS", 20))
     vocab, seq = 32000, 512
     config = at_defaults(ds_config("bf16", mode, int(os.environ.get("PROBE_STAGE", "2")), world), world)
+    if os.environ.get("PROBE_OFFLOAD_PARAM") == "1":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     torch.manual_seed(1234)
     with model_device():
         model = GPT(vocab=vocab, seq=seq, width=width, layers=layers, heads=max(1, width // 128))
