@@ -92,6 +92,7 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
         self.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self._stream = EmulatedStream()
         self.reserved = 0  # the caching allocator's reserved bytes (the peak since the last empty_cache)
+        self.peak = 0  # the largest memory_allocated() seen since the last reset_peak_memory_stats()
 
     def is_synchronized_device(self) -> bool:
         return False
@@ -172,7 +173,17 @@ class EmulatedCudaAccelerator(CPU_Accelerator):
             storages[storage.data_ptr()] = storage.nbytes()
         allocated = sum(storages.values())
         self.reserved = max(self.reserved, allocated)
+        self.peak = max(self.peak, allocated)
         return allocated
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        """The largest :meth:`memory_allocated` seen: there is no allocator to count every allocation, so this is
+        the peak of the samples taken (tests/workers/probe_worker.py samples around every module), not the
+        process's peak RSS that DeepSpeed's CPU accelerator reports."""
+        return self.peak
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        self.peak = 0
 
     def memory_reserved(self, device_index: int | None = None) -> int:
         return max(self.memory_allocated(device_index), self.reserved)

@@ -10,7 +10,8 @@ recorded with whether it blocks the host and whether it ran inside a gradient ho
 (``.item()``, a blocking device-to-host copy, a stream or event synchronize) inside a hook.
 ``step``: a GPT of ``PROBE_WIDTH`` x ``PROBE_LAYERS`` (default about 1B parameters) in bf16 at this world size,
 ZeRO stage ``PROBE_STAGE`` (default 2; at 3 ``PROBE_OFFLOAD_PARAM=1`` adds ``offload_param`` device cpu, pinned):
-seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory and, on
+seconds per step, the ATen operators and host syncs ``engine.step()`` dispatches, the peak device memory (on
+emulated CUDA the largest of samples around every module and the step) and, on
 a GPU, the longest gap between kernels during a backward (torch.profiler).
 ``lora-ops``: the LoRA-like model with 1,000 adapted layers (2,000 trained tensors), fp32, stage ``PROBE_STAGE``
 (default 2; at 3 ``PROBE_PERSISTENCE`` sets ``stage3_param_persistence_threshold``), both sides otherwise at
@@ -210,14 +211,17 @@ def step(rank: int, world: int, mode: str) -> dict:
         model = GPT(vocab=vocab, seq=seq, width=width, layers=layers, heads=max(1, width // 128))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accelerator = get_accelerator()
+    sample = sample_device_memory(model) if emulating() else lambda: None
     tokens = torch.randint(0, vocab, (1, seq)).to(engine.device)
     times, counts = [], []
     for index in range(5):  # 2 to warm up, 3 timed
         accelerator.synchronize()
         start = time.perf_counter()
         engine.backward(engine(tokens))
+        sample()
         with OpCounter() as counter:
             engine.step()
+        sample()
         accelerator.synchronize()
         if index >= 2:
             times.append(time.perf_counter() - start)
@@ -230,6 +234,22 @@ def step(rank: int, world: int, mode: str) -> dict:
         "peak_bytes": accelerator.max_memory_allocated(),
         "longest_gap_in_backward_s": longest_gap_in_backward(engine, tokens),
     }
+
+
+def sample_device_memory(model: torch.nn.Module) -> Any:
+    """On emulated CUDA, whose peak is the largest sample (tests/helpers/emulated_accelerator.py): the device
+    memory read before and after every module's forward and backward; returns the sampler, for around the step."""
+    accelerator = get_accelerator()
+
+    def sample(*_: Any) -> None:  # a hook that returns nothing: the inputs and outputs stay as they are
+        accelerator.memory_allocated()
+
+    for module in model.modules():
+        module.register_forward_pre_hook(sample)
+        module.register_forward_hook(sample)
+        module.register_full_backward_pre_hook(sample)
+        module.register_full_backward_hook(sample)
+    return sample
 
 
 def at_defaults(config: dict, world: int) -> dict:
