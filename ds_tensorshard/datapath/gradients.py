@@ -153,28 +153,6 @@ class OwnedGradients:
         with ZeRO-Offload keeps its host gradient so, clipped in place, and sums the norm of those reduced since)."""
         self.held = {p for p in params if p in self.section_of}
 
-    def _runs(self, section: Section, stop: int | None = None) -> list[tuple[int, int]]:
-        """The ranges of ``section`` (up to ``stop``) that hold no :attr:`held` tensor, as ``(start, stop)``."""
-        end = section.buffer.numel() if stop is None else stop
-        runs: list[tuple[int, int]] = []
-        for param, start in section.offset.items():  # in buffer order
-            if param in self.held or start >= end:
-                continue
-            until = min(start + self.blocks[param].numel, end)
-            if runs and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], until)
-            else:
-                runs.append((start, until))
-        return runs
-
-    def _copy(self, section: Section, source: torch.Tensor, target: torch.Tensor) -> None:
-        """``target`` of ``section`` from ``source``, but for the held tensors' ranges."""
-        if not self.held:
-            target.copy_(source)
-            return
-        for start, stop in self._runs(section):
-            target[start:stop].copy_(source[start:stop])
-
     @torch.no_grad()
     def narrow(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         """The step's gradients cast into the masters' dtype where it is narrower (bf16 masters, fp32
@@ -190,7 +168,7 @@ class OwnedGradients:
         self.narrowed = True
         for section in self.sections:
             if section.grad is not section.step:
-                self._copy(section, section.step, section.grad)
+                _copy_unheld(section, section.step, section.grad, self.held, self.blocks)
 
     def _destinations(self, segment: Segment) -> tuple[list[torch.Tensor], list[int], list[bool]]:
         """The buffer views a segment's pieces are added into, the pieces' sizes and whether each is kept in host
@@ -250,7 +228,7 @@ class OwnedGradients:
             self.settle()
             for section in self.sections:
                 if section.step is not section.buffer:
-                    self._copy(section, section.buffer, section.step)
+                    _copy_unheld(section, section.buffer, section.step, self.held, self.blocks)
             return
         for param in params:
             if self.section_of[param].step is not self.section_of[param].buffer:
@@ -263,7 +241,7 @@ class OwnedGradients:
         order; the buffers' sums added in order where the first buffer is (with ZeRO-Offload, those of the
         Muon matrices' buffers brought to the host together first). Returned on ``far`` (where the sum over
         ranks is made)."""
-        sums = [(s.group, s.on_host, self._squares(s)) for s in self.sections]
+        sums = [(s.group, s.on_host, _squares_unheld(s, self.held, self.blocks)) for s in self.sections]
         if not sums:
             return torch.zeros(groups, dtype=torch.float64, device=far)
         home = sums[0][2].device
@@ -275,15 +253,6 @@ class OwnedGradients:
         for group, _, value in sums:
             totals[group] += value
         return totals.to(far)
-
-    def _squares(self, section: Section) -> torch.Tensor:
-        """The fp64 sum of squares of ``section``'s counted step gradients, the held tensors' left out."""
-        if not self.held:
-            return _sum_of_squares(section.step[: section.counted])
-        total = torch.zeros((), dtype=torch.float64, device=section.step.device)
-        for start, stop in self._runs(section, section.counted):
-            total += _sum_of_squares(section.step[start:stop])
-        return total
 
     @torch.no_grad()
     def scale(self, factor: float | torch.Tensor) -> None:
@@ -329,6 +298,50 @@ class OwnedGradients:
         self._segments.clear()
         self._step_views.clear()
         self._master_views.clear()
+
+
+def _unheld_runs(
+    section: Section, held: set[torch.nn.Parameter], blocks: dict[torch.nn.Parameter, Block], stop: int | None = None
+) -> list[tuple[int, int]]:
+    """The ranges of ``section`` (up to ``stop``) that hold no ``held`` tensor, as ``(start, stop)``."""
+    end = section.buffer.numel() if stop is None else stop
+    runs: list[tuple[int, int]] = []
+    for param, start in section.offset.items():  # in buffer order
+        if param in held or start >= end:
+            continue
+        until = min(start + blocks[param].numel, end)
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], until)
+        else:
+            runs.append((start, until))
+    return runs
+
+
+def _copy_unheld(
+    section: Section,
+    source: torch.Tensor,
+    target: torch.Tensor,
+    held: set[torch.nn.Parameter],
+    blocks: dict[torch.nn.Parameter, Block],
+) -> None:
+    """``target`` of ``section`` from ``source``, but for the ``held`` tensors' ranges."""
+    if not held:
+        target.copy_(source)
+        return
+    for start, stop in _unheld_runs(section, held, blocks):
+        target[start:stop].copy_(source[start:stop])
+
+
+def _squares_unheld(
+    section: Section, held: set[torch.nn.Parameter], blocks: dict[torch.nn.Parameter, Block]
+) -> torch.Tensor:
+    """The fp64 sum of squares of ``section``'s counted step gradients, the ``held`` tensors' left out."""
+    if not held:
+        return _sum_of_squares(section.step[: section.counted])
+    total = torch.zeros((), dtype=torch.float64, device=section.step.device)
+    for start, stop in _unheld_runs(section, held, blocks, section.counted):
+        total += _sum_of_squares(section.step[start:stop])
+    return total
 
 
 def _add(views: list[torch.Tensor], reduced: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> None:
