@@ -82,8 +82,8 @@ class OwnedGradients:
         self.keeps = keeps
         self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
         self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
-        # stage 3 with ZeRO-Offload: the tensors that got no gradient since the last step keep their step gradient,
-        # the last one clipped, and the norm leaves them out (:meth:`hold`)
+        # stage 3 with ZeRO-Offload: the tensors whose gradient stock leaves off its host buffer this step keep their
+        # step gradient, the last one clipped, and the norm leaves them out (:meth:`hold`)
         self.held: set[torch.nn.Parameter] = set()
         self.accumulated = False  # a gradient was added or set since the last zero()
         self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
@@ -148,9 +148,10 @@ class OwnedGradients:
         return view
 
     def hold(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """The owned ``params`` that got no gradient since the last step (of every owned tensor, each step): their step
-        gradients stay as the last step left them, unscaled and clipped, and the norm leaves them out (stock ZeRO-3
-        with ZeRO-Offload keeps its host gradient so, clipped in place, and sums the norm of those reduced since)."""
+        """Of the owned ``params`` (given each step): their step gradients stay as the last step left them, unscaled
+        and clipped, and the norm leaves them out. Stock ZeRO-3 with ZeRO-Offload copies to its host gradient only
+        what a step's last backward reduced (any backward's, unmanaged), clips that buffer in place and sums the norm
+        of what it copied: the others are these."""
         self.held = {p for p in params if p in self.section_of}
 
     @torch.no_grad()
