@@ -174,7 +174,7 @@ class TensorShardStage3Optimizer(TensorShardOptimizer):
         return deliver_replacing
 
     def _reduce_to_owners(self) -> None:
-        if self._at_boundary() or not self._managed:
+        if self.host is not None and (self._at_boundary() or not self._managed):
             self._to_host |= self.reducer.seen
         super()._reduce_to_owners()
         self._backward_ran = True

@@ -83,8 +83,9 @@ class OwnedGradients:
         self.master_dtype, self.step_dtype = master_dtype, torch.promote_types(accum_dtype, master_dtype)
         self.narrowed = False  # the step's gradients cast into the masters' dtype (where that is narrower)
         # stage 3 with ZeRO-Offload: the tensors whose gradient stock leaves off its host buffer this step keep their
-        # step gradient, the last one clipped, and the norm leaves them out (:meth:`hold`)
-        self.held: set[torch.nn.Parameter] = set()
+        # step gradient, the last one clipped, and the norm leaves them out (:meth:`hold`); per section (by id) the
+        # ranges of the others, where any is held
+        self.unheld: dict[int, list[tuple[int, int]]] = {}
         self.accumulated = False  # a gradient was added or set since the last zero()
         self.worker = HostWorker(device) if host is not None else None  # the host's adds, off the autograd thread
         self.sections: list[Section] = []
@@ -152,7 +153,8 @@ class OwnedGradients:
         and clipped, and the norm leaves them out. Stock ZeRO-3 with ZeRO-Offload copies to its host gradient only
         what a step's last backward reduced (any backward's, unmanaged), clips that buffer in place and sums the norm
         of what it copied: the others are these."""
-        self.held = {p for p in params if p in self.section_of}
+        held = {p for p in params if p in self.section_of}
+        self.unheld = {id(s): _unheld_runs(s, held, self.blocks) for s in self.sections} if held else {}
 
     @torch.no_grad()
     def narrow(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
@@ -169,7 +171,7 @@ class OwnedGradients:
         self.narrowed = True
         for section in self.sections:
             if section.grad is not section.step:
-                _copy_unheld(section, section.step, section.grad, self.held, self.blocks)
+                _copy_unheld(section.step, section.grad, self.unheld.get(id(section)))
 
     def _destinations(self, segment: Segment) -> tuple[list[torch.Tensor], list[int], list[bool]]:
         """The buffer views a segment's pieces are added into, the pieces' sizes and whether each is kept in host
@@ -229,7 +231,7 @@ class OwnedGradients:
             self.settle()
             for section in self.sections:
                 if section.step is not section.buffer:
-                    _copy_unheld(section, section.buffer, section.step, self.held, self.blocks)
+                    _copy_unheld(section.buffer, section.step, self.unheld.get(id(section)))
             return
         for param in params:
             if self.section_of[param].step is not self.section_of[param].buffer:
@@ -242,7 +244,7 @@ class OwnedGradients:
         order; the buffers' sums added in order where the first buffer is (with ZeRO-Offload, those of the
         Muon matrices' buffers brought to the host together first). Returned on ``far`` (where the sum over
         ranks is made)."""
-        sums = [(s.group, s.on_host, _squares_unheld(s, self.held, self.blocks)) for s in self.sections]
+        sums = [(s.group, s.on_host, _squares_unheld(s, self.unheld.get(id(s)))) for s in self.sections]
         if not sums:
             return torch.zeros(groups, dtype=torch.float64, device=far)
         home = sums[0][2].device
@@ -302,15 +304,14 @@ class OwnedGradients:
 
 
 def _unheld_runs(
-    section: Section, held: set[torch.nn.Parameter], blocks: dict[torch.nn.Parameter, Block], stop: int | None = None
+    section: Section, held: set[torch.nn.Parameter], blocks: dict[torch.nn.Parameter, Block]
 ) -> list[tuple[int, int]]:
-    """The ranges of ``section`` (up to ``stop``) that hold no ``held`` tensor, as ``(start, stop)``."""
-    end = section.buffer.numel() if stop is None else stop
+    """The ranges of ``section`` that hold no ``held`` tensor, as ``(start, stop)``, adjacent ones merged."""
     runs: list[tuple[int, int]] = []
     for param, start in section.offset.items():  # in buffer order
-        if param in held or start >= end:
+        if param in held:
             continue
-        until = min(start + blocks[param].numel, end)
+        until = start + blocks[param].numel
         if runs and runs[-1][1] == start:
             runs[-1] = (runs[-1][0], until)
         else:
@@ -318,30 +319,23 @@ def _unheld_runs(
     return runs
 
 
-def _copy_unheld(
-    section: Section,
-    source: torch.Tensor,
-    target: torch.Tensor,
-    held: set[torch.nn.Parameter],
-    blocks: dict[torch.nn.Parameter, Block],
-) -> None:
-    """``target`` of ``section`` from ``source``, but for the ``held`` tensors' ranges."""
-    if not held:
+def _copy_unheld(source: torch.Tensor, target: torch.Tensor, runs: list[tuple[int, int]] | None) -> None:
+    """``target`` from ``source``: whole, or only the ``runs`` (a section's ranges where some tensor is held)."""
+    if runs is None:
         target.copy_(source)
         return
-    for start, stop in _unheld_runs(section, held, blocks):
+    for start, stop in runs:
         target[start:stop].copy_(source[start:stop])
 
 
-def _squares_unheld(
-    section: Section, held: set[torch.nn.Parameter], blocks: dict[torch.nn.Parameter, Block]
-) -> torch.Tensor:
-    """The fp64 sum of squares of ``section``'s counted step gradients, the ``held`` tensors' left out."""
-    if not held:
+def _squares_unheld(section: Section, runs: list[tuple[int, int]] | None) -> torch.Tensor:
+    """The fp64 sum of squares of ``section``'s counted step gradients, only the ``runs`` of them where given."""
+    if runs is None:
         return _sum_of_squares(section.step[: section.counted])
     total = torch.zeros((), dtype=torch.float64, device=section.step.device)
-    for start, stop in _unheld_runs(section, held, blocks, section.counted):
-        total += _sum_of_squares(section.step[start:stop])
+    for start, stop in runs:
+        if start < section.counted:
+            total += _sum_of_squares(section.step[start : min(stop, section.counted)])
     return total
 
 
